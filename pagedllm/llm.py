@@ -1,0 +1,76 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """An engine for offline batches.  Keyword arguments are `EngineConfig` fields
+    (e.g. `LLM(dtype="float32", block_size=16, kv_cache_memory="2GiB")`)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = set(engine_args) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in the prompts' order.  A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves nothing queued
+                engine.abort_request(request_id)
+            raise
+        show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+            while len(results) < len(ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in ids:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tokenizer.apply_chat_template(list(m)) for m in conversations]
+        return self.generate(prompts, params, use_tqdm)

@@ -1,0 +1,130 @@
+"""The llama family (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
+flattened tokens of a step: `[num_tokens, hidden]`, no padding between requests.
+Q/K/V and gate/up projections are fused into one matmul each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata, write_kv
+from pagedllm.model_loader import ModelConfig
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for every position up to the model's length, built once."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim], rotating the two halves of head_dim (HF order)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.input_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(sum(self.split), c.hidden_size, dtype=dtype), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, q_size, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(2 * c.intermediate_size, c.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, dtype=dtype), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        h = rms_norm(x, self.input_norm, self.eps)
+        q, k, v = F.linear(h, self.qkv_proj).split(self.split, dim=-1)
+        q = rotary.apply(q.view(-1, self.num_heads, self.head_dim), positions)
+        k = rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), positions)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        x = x + F.linear(attention(q, kv_cache, meta), self.o_proj)
+
+        h = rms_norm(x, self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_len: int, attention: AttentionFn) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up."""
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            return weights[name]
+
+        with torch.no_grad():
+            self.embed_tokens.copy_(take("embed_tokens.weight"))
+            self.norm.copy_(take("norm.weight"))
+            if not self.config.tie_word_embeddings:
+                self.lm_head.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.qkv_proj.copy_(
+                    torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
+                )
+                layer.o_proj.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.down_proj.copy_(take(p + "mlp.down_proj.weight"))
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta, self.rotary, self.attention)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

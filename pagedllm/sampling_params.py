@@ -1,0 +1,71 @@
+"""Per-request sampling settings, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy.  `top_k` 0 (or -1) and `top_p` 1 and `min_p` 0
+    disable those filters.  `logprobs=k` returns, for every generated token,
+    its log-probability and the k most likely alternatives, computed from the
+    model's raw distribution (before temperature and filters).  A `stop`
+    string ends generation and is cut from the returned text; a token in
+    `stop_token_ids` (or EOS unless `ignore_eos`) ends generation and is kept
+    in `token_ids` but not in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(message: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter: {message}")
+
+        if not isinstance(self.n, int) or self.n != 1:
+            raise bad(f"n must be 1 (parallel sampling is not supported yet), got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

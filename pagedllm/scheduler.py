@@ -1,0 +1,158 @@
+"""Continuous batching: who runs this step, and how many tokens each computes.
+
+Pure Python.  One rule covers prefill, chunked prefill and decode: a request
+has `num_computed_tokens`; each step gives it up to `num_tokens -
+num_computed_tokens` more, within the step's token budget.  Running requests
+are served first (in arrival order), then waiting requests are admitted first
+come first served.  When the cache runs out of blocks, the latest-arrived
+running request is preempted: it gives back all its blocks and waits, to be
+recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: positions [start, start + num_new_tokens)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's known tokens."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        needed = self.kv_cache.blocks_for_tokens(request.max_total_tokens)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request {request.request_id} can never fit: prompt ({request.num_prompt_tokens} tokens) + "
+                f"max_tokens needs {request.max_total_tokens} tokens = {needed} blocks, but the whole KV cache "
+                f"has {self.kv_cache.num_blocks} blocks ({self.kv_cache.num_tokens_capacity} tokens); "
+                "lower max_tokens or raise kv_cache_memory"
+            )
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # the request preempted itself: it was the latest arrival
+            output.scheduled.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when nothing was preempted this step;
+        # otherwise a new arrival could take the blocks just given back.
+        while self.waiting and budget > 0 and not output.preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._chunk(request, num_new))
+            budget -= num_new
+        return output
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request, request.num_computed_tokens, num_new, self.kv_cache.block_table(request.request_id)
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        while self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are the latest running arrivals, yet earlier than every waiting request.
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return requests that finished."""
+        finished = []
+        for chunk in output.scheduled:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            reason = request.append_token(token)
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (running, waiting) and free its blocks."""
+        if request.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

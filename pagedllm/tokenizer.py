@@ -1,0 +1,57 @@
+"""Tokenizer and chat template, from the same source as the weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root)
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer: encode, decode, chat template."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        if path.suffix == ".gguf":
+            # Building a tokenizer from GGUF metadata takes ~10 s; keep the result on disk.
+            stat = path.stat()
+            key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+            cached = _cache_dir() / "tokenizers" / key
+            if (cached / "tokenizer_config.json").is_file():
+                self.hf = AutoTokenizer.from_pretrained(str(cached))
+            else:
+                self.hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                try:
+                    self.hf.save_pretrained(str(cached))
+                except OSError:
+                    pass  # a read-only home only costs the conversion next time
+        else:
+            self.hf = AutoTokenizer.from_pretrained(str(path))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
+        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
