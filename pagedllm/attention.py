@@ -15,12 +15,23 @@ Two implementations share one signature:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 DECODE_GROUP_SIZE = 32
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token requests of similar length, run as one batched matmul."""
+
+    tokens: torch.Tensor  # [G] row of each member's query token
+    block_ids: torch.Tensor  # [G * num_blocks] the members' block tables, flattened, padded with 0
+    key_padding: torch.Tensor  # [G, num_blocks * block_size] True where a key is past the member's length
+    k_buf: torch.Tensor  # gather scratch, reused by every layer of the step
+    v_buf: torch.Tensor
 
 
 @dataclass
@@ -31,31 +42,41 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_requests + 1]: request i owns tokens [qsl[i], qsl[i+1])
     seq_lens: list[int]  # [num_requests]: context length after this step
     block_tables: torch.Tensor  # [num_requests, max_blocks] int64, padded with 0
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]  # built by build_decode_groups
-    prefill_indices: list[int]  # requests with more than one new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefill_indices: list[int] = field(default_factory=list)  # requests with more than one new token
 
 
-def build_decode_groups(
-    query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], list[int]]:
-    """Sort single-token requests by length and cut them into groups.
-
-    Each group is (token rows, block table rows, key mask [G, padded_len], padded_len).
-    """
-    decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    prefills = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] > 1]
-    decodes.sort(key=lambda i: seq_lens[i])
-    groups = []
+def build_attention_metadata(
+    slot_mapping: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    kv_cache_shape: torch.Size,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """Sort single-token requests by length and cut them into groups, each
+    padded only to its own longest member."""
+    _, _, block_size, kv_heads, head_dim = kv_cache_shape
+    num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    decodes = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
+    meta = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables)
+    meta.prefill_indices = [i for i, n in enumerate(num_new) if n > 1]
     for start in range(0, len(decodes), DECODE_GROUP_SIZE):
         members = decodes[start : start + DECODE_GROUP_SIZE]
         lens = torch.tensor([seq_lens[i] for i in members])
         num_blocks = -(-int(lens.max()) // block_size)
-        padded = num_blocks * block_size
-        rows = torch.tensor(members)
-        tokens = torch.tensor([query_start_loc[i] for i in members])
-        key_mask = torch.arange(padded)[None, :] < lens[:, None]
-        groups.append((tokens, block_tables[rows, :num_blocks], key_mask, padded))
-    return groups, prefills
+        block_ids = block_tables[torch.tensor(members), :num_blocks].reshape(-1)
+        row = block_size * kv_heads * head_dim
+        meta.decode_groups.append(
+            DecodeGroup(
+                tokens=torch.tensor([query_start_loc[i] for i in members]),
+                block_ids=block_ids,
+                key_padding=torch.arange(num_blocks * block_size)[None, :] >= lens[:, None],
+                k_buf=torch.empty(block_ids.shape[0], row, dtype=dtype),
+                v_buf=torch.empty(block_ids.shape[0], row, dtype=dtype),
+            )
+        )
+    return meta
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -108,13 +129,19 @@ def fast_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         out[start:end] = o.transpose(0, 1)
 
     scale = 1.0 / math.sqrt(head_dim)
-    for tokens, tables, key_mask, padded in meta.decode_groups:
-        size = tokens.shape[0]
-        k = k_cache[tables].view(size, padded, kv_heads, head_dim)
-        v = v_cache[tables].view(size, padded, kv_heads, head_dim)
-        qg = q.index_select(0, tokens).view(size, kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale
-        scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype)
-        out[tokens] = torch.einsum("bhgs,bshd->bhgd", probs, v).reshape(size, num_heads, head_dim)
+    num_blocks = k_cache.shape[0]
+    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
+    for grp in meta.decode_groups:
+        size = grp.tokens.shape[0]
+        torch.index_select(k_rows, 0, grp.block_ids, out=grp.k_buf)
+        torch.index_select(v_rows, 0, grp.block_ids, out=grp.v_buf)
+        k = grp.k_buf.view(size, -1, kv_heads, head_dim)
+        v = grp.v_buf.view(size, -1, kv_heads, head_dim)
+        qg = q.index_select(0, grp.tokens).view(size, kv_heads, group, head_dim)
+        heads = []
+        for h in range(kv_heads):  # per KV head: K/V are strided views, no copy
+            scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float().mul_(scale)
+            scores.masked_fill_(grp.key_padding[:, None, :], float("-inf"))
+            heads.append(torch.bmm(scores.softmax(-1).to(q.dtype), v[:, :, h]))
+        out[grp.tokens] = torch.stack(heads, dim=1).view(size, num_heads, head_dim)
     return out.view(num_tokens, num_heads * head_dim)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention import AttentionMetadata, build_decode_groups
+from pagedllm.attention import AttentionMetadata, build_attention_metadata
 from pagedllm.model import LlamaModel
 from pagedllm.sampler import Sampler
 from pagedllm.scheduler import SchedulerOutput
@@ -57,15 +57,9 @@ class ModelRunner:
         owner = np.repeat(np.arange(len(chunks)), lens)
         slot_mapping = tables[owner, positions // bs] * bs + positions % bs
         seq_lens = [c.start + c.num_new_tokens for c in chunks]
-        block_tables = torch.from_numpy(tables)
-        decode_groups, prefills = build_decode_groups(query_start_loc, seq_lens, block_tables, bs)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            decode_groups=decode_groups,
-            prefill_indices=prefills,
+        cache = self.kv_caches[0]
+        meta = build_attention_metadata(
+            torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables), cache.shape, cache.dtype
         )
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         logits_rows = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)

@@ -26,11 +26,7 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_table: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's known tokens."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    samples: bool  # the chunk reaches the end of the request's tokens: its last position yields a token
 
     @property
     def token_ids(self) -> list[int]:
@@ -108,8 +104,9 @@ class Scheduler:
         return output
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
         return ScheduledRequest(
-            request, request.num_computed_tokens, num_new, self.kv_cache.block_table(request.request_id)
+            request, start, num_new, self.kv_cache.block_table(request.request_id), start + num_new == request.num_tokens
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:

@@ -1,0 +1,79 @@
+"""Offline throughput: submit a whole workload at once, run to completion, report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+
+def load_workload(path: str | Path, num_requests: int | None = None) -> list[dict]:
+    requests = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                requests.append(
+                    {"id": str(item["id"]), "prompt_token_ids": list(item["prompt_token_ids"]), "max_tokens": int(item["max_tokens"])}
+                )
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"{path}:{line_no}: not a workload line ({error})") from None
+    if num_requests is not None:
+        if num_requests < 1:
+            raise ValueError(f"--num-requests must be at least 1, got {num_requests}")
+        requests = requests[:num_requests]
+    if not requests:
+        raise ValueError(f"{path} holds no requests")
+    return requests
+
+
+def run_bench(config: EngineConfig, requests: list[dict], ignore_eos: bool = True) -> dict:
+    engine = LLMEngine(config)
+    return run_on_engine(engine, requests, ignore_eos)
+
+
+def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = True, desc: str = "bench") -> dict:
+    start = time.perf_counter()
+    for item in requests:
+        params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"], ignore_eos=ignore_eos)
+        engine.add_request(item["prompt_token_ids"], params, request_id=item["id"])
+    stats_before = (engine.stats.steps, engine.scheduler.num_preemptions)
+    engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
+    output_tokens = 0
+    ttfts = []
+    with tqdm(total=len(requests), desc=desc, unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    output_tokens += len(output.token_ids)
+                    ttfts.append(output.time_to_first_token or 0.0)
+                    bar.update(1)
+    wall = time.perf_counter() - start
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    ttfts.sort()
+    return {
+        "wall_s": round(wall, 3),
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / wall, 2),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall, 2),
+        "steps": engine.stats.steps - stats_before[0],
+        "peak_running": engine.stats.peak_running,
+        "preemptions": engine.scheduler.num_preemptions - stats_before[1],
+        "kv_blocks_total": engine.kv_cache.num_blocks,
+        "kv_peak_blocks_used": engine.stats.kv_peak_blocks_used,
+        "block_size": engine.config.block_size,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "ttft_median_s": round(ttfts[len(ttfts) // 2], 3),
+    }

@@ -1,0 +1,171 @@
+"""The `pagedllm` command: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pagedllm.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig.__dataclass_fields__
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF checkpoint directory (default: bundled SmolLM2)")
+    g.add_argument("--dtype", default=defaults["dtype"].default, choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=defaults["block_size"].default)
+    g.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"].default, help="e.g. 2GiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"].default)
+    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention", default=defaults["attention"].default, choices=["fast", "reference"])
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--log-level", default="INFO")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        attention=args.attention,
+        num_threads=args.num_threads,
+    )
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.engine import LLMEngine
+
+    params = sampling_params(args)
+    engine = LLMEngine(engine_config(args))
+    prompt = args.prompt
+    if not args.raw:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            print(output.delta, end="", flush=True)
+            final = output
+    print()
+    if final is not None:
+        print(f"[{len(final.token_ids)} tokens, finish reason: {final.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedllm.engine import LLMEngine
+
+    params = sampling_params(args)
+    engine = LLMEngine(engine_config(args))
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("pagedllm chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        engine.add_request(engine.tokenizer.apply_chat_template(messages), params)
+        reply = ""
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                print(output.delta, end="", flush=True)
+                reply = output.text
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedllm.bench import load_workload, run_bench
+
+    requests = load_workload(args.workload, args.num_requests)
+    result = run_bench(engine_config(args), requests, ignore_eos=not args.respect_eos)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="answer one prompt (chat template applied unless --raw)")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    add_sampling_args(p, max_tokens=256)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    p.add_argument("--system", default=None, help="system message")
+    add_sampling_args(p, max_tokens=512)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="offline throughput on a JSONL workload (all requests at once)")
+    p.add_argument("--workload", required=True, help="JSONL: {id, prompt_token_ids, max_tokens} per line")
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--output", default=None, help="also write the JSON result here")
+    p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"pagedllm: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

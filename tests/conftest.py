@@ -1,0 +1,63 @@
+"""Shared fixtures.  Engines on the real model are costly to build, so the
+dequantized weights are loaded once per session and engines are reused."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import pagedllm.engine
+from pagedllm import LLM
+from pagedllm.model_loader import default_model_path
+
+_cached_load = functools.cache(pagedllm.engine.load_weights)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _share_loaded_weights():
+    """Every engine in the test session copies from one dequantized state dict."""
+    original = pagedllm.engine.load_weights
+    pagedllm.engine.load_weights = _cached_load
+    yield
+    pagedllm.engine.load_weights = original
+
+
+def assert_no_blocks_held(llm: LLM) -> None:
+    kv = llm.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_used_blocks} KV blocks still held"
+    assert not kv.block_tables
+    assert all(count == 0 for count in kv.pool.ref_counts)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@functools.cache
+def _llm(**kwargs) -> LLM:
+    return LLM(dtype="float32", **kwargs)
+
+
+@pytest.fixture
+def make_llm():
+    """make_llm(**engine_args) -> a float32 SmolLM2 engine, shared between tests with the
+    same arguments; after the test, every KV block must be free again."""
+    used: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        llm = _llm(**kwargs)
+        used.append(llm)
+        return llm
+
+    yield make
+    for llm in used:
+        assert_no_blocks_held(llm)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The transformers reference on the same GGUF weights, float32."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,48 @@
+"""Helpers that run the transformers reference and our model on the same ids."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.request import Request
+from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation with transformers' KV cache, never stopping at EOS."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill through the paged cache."""
+    engine = llm.engine
+    kv = engine.kv_cache
+    request_id = "teacher-forced"
+    if kv.allocate_slots(request_id, len(ids)) is None:
+        raise RuntimeError("no room in the KV cache")
+    try:
+        request = Request(request_id, ids, SamplingParams())
+        chunk = ScheduledRequest(request, 0, len(ids), kv.block_table(request_id), True)
+        step = engine.runner.prepare(SchedulerOutput([chunk]))
+        model = engine.runner.model
+        hidden = model(step.input_ids, step.positions, engine.runner.kv_caches, step.meta)
+        return model.compute_logits(hidden)
+    finally:
+        kv.free(request_id)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
