@@ -22,7 +22,11 @@ def load_workload(path: str | Path, num_requests: int | None = None) -> list[dic
             try:
                 item = json.loads(line)
                 requests.append(
-                    {"id": str(item["id"]), "prompt_token_ids": list(item["prompt_token_ids"]), "max_tokens": int(item["max_tokens"])}
+                    {
+                        "id": str(item["id"]),
+                        "prompt_token_ids": list(item["prompt_token_ids"]),
+                        "max_tokens": int(item["max_tokens"]),
+                    }
                 )
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(f"{path}:{line_no}: not a workload line ({error})") from None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import attention as attention_impls
 from pagedllm.config import EngineConfig
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.kv_cache_manager import KVCacheManager
@@ -19,7 +20,6 @@ from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.tokenizer import Tokenizer
-from pagedllm import attention as attention_impls
 
 logger = logging.getLogger("pagedllm")
 
@@ -64,7 +64,9 @@ class LLMEngine:
             self.eos_token_id = model_config.eos_token_id
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
 
-        attention = attention_impls.fast_attention if config.attention == "fast" else attention_impls.reference_attention
+        attention = (
+            attention_impls.fast_attention if config.attention == "fast" else attention_impls.reference_attention
+        )
         model = LlamaModel(model_config, self.dtype, self.max_model_len, attention)
         model.load_hf_weights(weights)
         del weights
@@ -84,8 +86,14 @@ class LLMEngine:
         logger.info(
             "model %s (%s, %d layers); KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
             "max model length %d -> %.2fx concurrency at full length",
-            path.name, str(self.dtype).removeprefix("torch."), c.num_layers, num_blocks, config.block_size,
-            tokens, num_blocks * config.block_size * bytes_per_token / 2**30, self.max_model_len,
+            path.name,
+            str(self.dtype).removeprefix("torch."),
+            c.num_layers,
+            num_blocks,
+            config.block_size,
+            tokens,
+            num_blocks * config.block_size * bytes_per_token / 2**30,
+            self.max_model_len,
             tokens / self.max_model_len,
         )
 
@@ -172,8 +180,10 @@ class LLMEngine:
     def _text_ids(self, request: Request) -> list[int]:
         """Output ids that make up the text: a final stop token is not part of it."""
         ids = request.output_token_ids
-        if request.finish_reason == FinishReason.STOP and ids and (
-            ids[-1] in request.sampling_params.stop_token_ids or ids[-1] == self.eos_token_id
+        if (
+            request.finish_reason == FinishReason.STOP
+            and ids
+            and (ids[-1] in request.sampling_params.stop_token_ids or ids[-1] == self.eos_token_id)
         ):
             return ids[:-1]
         return ids

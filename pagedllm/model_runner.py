@@ -59,7 +59,12 @@ class ModelRunner:
         seq_lens = [c.start + c.num_new_tokens for c in chunks]
         cache = self.kv_caches[0]
         meta = build_attention_metadata(
-            torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables), cache.shape, cache.dtype
+            torch.from_numpy(slot_mapping),
+            query_start_loc,
+            seq_lens,
+            torch.from_numpy(tables),
+            cache.shape,
+            cache.dtype,
         )
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         logits_rows = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)

@@ -106,7 +106,11 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
-            request, start, num_new, self.kv_cache.block_table(request.request_id), start + num_new == request.num_tokens
+            request,
+            start,
+            num_new,
+            self.kv_cache.block_table(request.request_id),
+            start + num_new == request.num_tokens,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:

@@ -72,7 +72,9 @@ def test_many_decodes_span_several_groups():
     shapes = [(int(n), 1) for n in torch.randint(1, 300, (70,), generator=torch.Generator().manual_seed(3))]
     q, cache, meta, contiguous = make_batch(1, 16, 3, 3, 64, shapes)
     assert len(meta.decode_groups) > 1 and not meta.prefill_indices
-    torch.testing.assert_close(fast_attention(q, cache, meta), reference_attention(q, cache, meta), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fast_attention(q, cache, meta), reference_attention(q, cache, meta), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_fast_matches_reference_bfloat16():

@@ -1,7 +1,6 @@
 """The real SmolLM2 against transformers on the same GGUF weights, float32."""
 
 import pytest
-
 from hf_reference import greedy, hf_greedy, hf_logits, our_logits
 
 QUESTIONS = [

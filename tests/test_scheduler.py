@@ -7,8 +7,14 @@ from pagedllm.scheduler import Scheduler
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   eos_token_id=0, max_model_len=1000, arrival_time=arrival)
+    return Request(
+        rid,
+        list(range(1, prompt_len + 1)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_id=0,
+        max_model_len=1000,
+        arrival_time=arrival,
+    )
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
@@ -42,7 +48,9 @@ def test_chunked_prefill_mixes_with_decodes_within_budget():
     s.add_request(b)
     out, _ = run_step(s)
     assert [(c.request.request_id, c.start, c.num_new_tokens, c.samples) for c in out.scheduled] == [
-        ("a", 0, 3, True), ("b", 0, 5, False)]
+        ("a", 0, 3, True),
+        ("b", 0, 5, False),
+    ]
     out, _ = run_step(s)
     # a decodes one token, b's prefill continues with the rest of the budget
     assert [(c.request.request_id, c.start, c.num_new_tokens) for c in out.scheduled] == [("a", 3, 1), ("b", 5, 7)]

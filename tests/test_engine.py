@@ -1,0 +1,101 @@
+"""Engine behaviour on the real model: bad input, aborts, memory accounting."""
+
+import logging
+
+import pytest
+from hf_reference import greedy
+
+from pagedllm import SamplingParams
+from pagedllm.config import parse_bytes
+
+
+@pytest.fixture
+def llm(make_llm):
+    return make_llm()
+
+
+def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="maximum model length is 8192"):
+        llm.generate([[5] * 8192])
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 49152\)"):
+        llm.generate([[5, 49152]])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=0))
+    # one bad prompt in a batch: nothing of the batch stays queued
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""])
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_that_can_never_fit_the_cache_is_rejected(make_llm):
+    llm = make_llm(kv_cache_memory="8MiB")  # 11 blocks of 16 tokens in float32
+    capacity = llm.engine.kv_cache.num_tokens_capacity
+    with pytest.raises(ValueError, match="can never fit"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=capacity))
+    out = llm.generate([[5] * 10], SamplingParams(max_tokens=capacity - 10, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == capacity - 10  # exactly filling the cache is fine
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    request_id = engine.add_request(
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]), greedy(50)
+    )
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache.num_used_blocks > 0
+    output = engine.abort_request(request_id)
+    assert output.finished and output.finish_reason == "abort"
+    assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.abort_request(request_id) is None  # unknown now: a no-op
+
+
+def test_generate_keeps_prompt_order_and_reports_ttft(llm):
+    prompts = ["One", "Two two two two two two two", "Three three"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [o.prompt for o in outputs] == prompts
+    assert all(o.finished and len(o.token_ids) == 5 and o.time_to_first_token > 0 for o in outputs)
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0))
+    assert "Paris" in out[0].text
+    ids = out[0].prompt_token_ids
+    assert llm.tokenizer.decode(ids).startswith("system\n") or "<|im_start|>" in llm.tokenizer.hf.decode(ids)
+
+
+def test_startup_log_reports_kv_sizing(caplog):
+    from pagedllm import LLM
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", block_size=32)
+    message = caplog.text
+    blocks = 64 * 2**20 // (32 * 2 * 30 * 3 * 64 * 4)
+    assert llm.engine.kv_cache.num_blocks == blocks
+    assert f"{blocks} blocks x 32 tokens = {blocks * 32} tokens" in message
+    assert "concurrency" in message
+
+
+def test_engine_arguments_are_checked():
+    from pagedllm import LLM
+
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(block_sise=16)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="memory size"):
+        LLM(kv_cache_memory="lots")
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("-1GiB")

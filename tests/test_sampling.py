@@ -1,0 +1,130 @@
+"""Sampling on the real model: seeds, filters, stops, logprobs; and the sampler alone."""
+
+import pytest
+import torch
+from hf_reference import greedy, our_logits
+
+from pagedllm import SamplingParams
+from pagedllm.sampler import Sampler
+
+STORY = [{"role": "user", "content": "Tell me a story about a dragon and a village."}]
+
+
+@pytest.fixture
+def llm(make_llm):
+    return make_llm()
+
+
+def chat_ids(llm, messages=STORY):
+    return llm.tokenizer.apply_chat_template(messages)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm):
+    prompt = chat_ids(llm)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    alone = llm.generate(prompt, params)[0].token_ids
+    again = llm.generate(prompt, params)[0].token_ids
+    assert alone == again
+    others = chat_ids(llm, [{"role": "user", "content": "Name five colours."}])
+    batch = llm.generate(
+        [others, prompt, others, prompt],
+        [SamplingParams(temperature=1.0, max_tokens=30), params, SamplingParams(temperature=0.7, seed=9), params],
+    )
+    assert batch[1].token_ids == alone and batch[3].token_ids == alone
+    different_seed = llm.generate(prompt, SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24))
+    assert different_seed[0].token_ids != alone
+
+
+def test_filters_that_keep_one_token_equal_greedy(llm):
+    prompt = chat_ids(llm)
+    expected = llm.generate(prompt, greedy(16))[0].token_ids
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=1.0, max_tokens=16, ignore_eos=True),
+    ):
+        assert llm.generate(prompt, params)[0].token_ids == expected
+
+
+def test_stop_string_cuts_the_text(llm):
+    prompt = chat_ids(llm)
+    full = llm.generate(prompt, greedy(40))[0]
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = full.text.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop, "never-appears-xyz"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:cut]
+    assert stop not in out.text
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ends_generation_and_is_not_in_the_text(llm):
+    prompt = chat_ids(llm)
+    full = llm.generate(prompt, greedy(20))[0]
+    stop_token = full.token_ids[6]
+    first = full.token_ids.index(stop_token)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.text == llm.tokenizer.decode(full.token_ids[:first])
+
+
+def test_eos_stops_unless_ignored(llm):
+    prompt = chat_ids(llm, [{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == llm.engine.eos_token_id
+    assert "Paris" in out.text and "<|im_end|>" not in out.text
+    ignored = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == len(out.token_ids) + 5
+
+
+def test_logprobs_of_sampled_token_and_alternatives(llm):
+    prompt = chat_ids(llm)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 6
+    reference = our_logits(llm, prompt + out.token_ids).log_softmax(-1)
+    for i, entry in enumerate(out.logprobs):
+        row = reference[len(prompt) - 1 + i]
+        assert entry.token_id == out.token_ids[i]
+        assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id  # greedy picks the top one
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4)
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+
+
+def test_sampler_follows_the_distribution_and_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(4000, 1)
+    sampler = Sampler(seed=0)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens = torch.tensor(sampler(logits, params, [None] * 4000).token_ids)
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.03)
+
+    top_k = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0, top_k=2)] * 4000, [None] * 4000).token_ids)
+    assert set(top_k.tolist()) == {0, 1}
+    probs = logits[0].softmax(-1)  # ~[0.61, 0.22, 0.14, 0.03, 0.004]
+    top_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * 4000, [None] * 4000).token_ids
+    assert set(top_p) == {0, 1}, probs
+    min_p = sampler(logits, [SamplingParams(temperature=1.0, min_p=0.2)] * 4000, [None] * 4000).token_ids
+    assert set(min_p) == {0, 1, 2}
+    hot = sampler(logits, [SamplingParams(temperature=100.0)] * 4000, [None] * 4000).token_ids
+    assert set(hot) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n must be 1"),
+    ],
+)
+def test_bad_sampling_params_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
