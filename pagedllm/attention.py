@@ -5,11 +5,13 @@ Cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 Each step first writes its new K/V at `slot_mapping`, then every request reads
 its whole context (earlier chunks and this one) through its block table.
 
-Two implementations share one signature:
+Implementations share one signature (q, kv_cache, metadata) -> output:
 - `reference_attention`: per request, per token, plain float32 math; the oracle.
-- `fast_attention`: prefill chunks use SDPA per request over the request's
+- `torch_attention`: prefill chunks use SDPA per request over the request's
   gathered blocks; decodes are sorted by length and run in groups as batched
   matmuls, each group padded only to its own longest member.
+- `cpp_attention`: prefill as above; decodes run a C++/OpenMP kernel that
+  reads K/V in place through the block tables (no gather, no padding).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.cpu_kernels import load_cpu_kernels
 
 DECODE_GROUP_SIZE = 32
 
@@ -36,46 +40,59 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    """What attention needs to know about one step; built once by the model runner."""
+    """What attention needs to know about one step; built once by the model runner
+    and shared by every layer (derived tensors are built on first use)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     query_start_loc: list[int]  # [num_requests + 1]: request i owns tokens [qsl[i], qsl[i+1])
     seq_lens: list[int]  # [num_requests]: context length after this step
     block_tables: torch.Tensor  # [num_requests, max_blocks] int64, padded with 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_indices: list[int] = field(default_factory=list)  # requests with more than one new token
+    decode_indices: list[int] = field(default_factory=list)  # requests with one new token, shortest first
+    _decode_groups: list[DecodeGroup] | None = None
+    _decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query rows, seq lens, block tables) of the decoding requests, for the C++ kernel."""
+        if self._decode_tensors is None:
+            index = self.decode_indices
+            self._decode_tensors = (
+                torch.tensor([self.query_start_loc[i] for i in index], dtype=torch.int64),
+                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+            )
+        return self._decode_tensors
+
+    def decode_groups(self, kv_cache: torch.Tensor) -> list[DecodeGroup]:
+        """Decoding requests cut into groups of similar length, for the pure-torch path."""
+        if self._decode_groups is None:
+            _, _, block_size, kv_heads, head_dim = kv_cache.shape
+            self._decode_groups = []
+            for start in range(0, len(self.decode_indices), DECODE_GROUP_SIZE):
+                members = self.decode_indices[start : start + DECODE_GROUP_SIZE]
+                lens = torch.tensor([self.seq_lens[i] for i in members])
+                num_blocks = -(-int(lens.max()) // block_size)
+                block_ids = self.block_tables[torch.tensor(members), :num_blocks].reshape(-1)
+                row = block_size * kv_heads * head_dim
+                self._decode_groups.append(
+                    DecodeGroup(
+                        tokens=torch.tensor([self.query_start_loc[i] for i in members]),
+                        block_ids=block_ids,
+                        key_padding=torch.arange(num_blocks * block_size)[None, :] >= lens[:, None],
+                        k_buf=torch.empty(block_ids.shape[0], row, dtype=kv_cache.dtype),
+                        v_buf=torch.empty(block_ids.shape[0], row, dtype=kv_cache.dtype),
+                    )
+                )
+        return self._decode_groups
 
 
 def build_attention_metadata(
-    slot_mapping: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_tables: torch.Tensor,
-    kv_cache_shape: torch.Size,
-    dtype: torch.dtype,
+    slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor
 ) -> AttentionMetadata:
-    """Sort single-token requests by length and cut them into groups, each
-    padded only to its own longest member."""
-    _, _, block_size, kv_heads, head_dim = kv_cache_shape
-    num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
-    decodes = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
     meta = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables)
+    num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     meta.prefill_indices = [i for i, n in enumerate(num_new) if n > 1]
-    for start in range(0, len(decodes), DECODE_GROUP_SIZE):
-        members = decodes[start : start + DECODE_GROUP_SIZE]
-        lens = torch.tensor([seq_lens[i] for i in members])
-        num_blocks = -(-int(lens.max()) // block_size)
-        block_ids = block_tables[torch.tensor(members), :num_blocks].reshape(-1)
-        row = block_size * kv_heads * head_dim
-        meta.decode_groups.append(
-            DecodeGroup(
-                tokens=torch.tensor([query_start_loc[i] for i in members]),
-                block_ids=block_ids,
-                key_padding=torch.arange(num_blocks * block_size)[None, :] >= lens[:, None],
-                k_buf=torch.empty(block_ids.shape[0], row, dtype=dtype),
-                v_buf=torch.empty(block_ids.shape[0], row, dtype=dtype),
-            )
-        )
+    meta.decode_indices = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
     return meta
 
 
@@ -107,19 +124,15 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return out.reshape(q.shape[0], -1).to(q.dtype)
 
 
-def fast_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _prefill_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    """Prefill chunks, one SDPA call per request over its gathered blocks."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    num_tokens, num_heads, _ = q.shape
-    group = num_heads // kv_heads
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, num_new = meta.seq_lens[i], end - start
         blocks = meta.block_tables[i, : -(-seq_len // block_size)]
-        k = k_cache.index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = v_cache.index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        k = kv_cache[0].index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = kv_cache[1].index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len].transpose(0, 1)
         qi = q[start:end].transpose(0, 1)
         if num_new == seq_len:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
@@ -128,10 +141,15 @@ def fast_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
 
+
+def _decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    """Decodes in groups of similar length: gather, then batched matmuls per KV head."""
+    _, num_blocks, _, kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    group = num_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim)
-    num_blocks = k_cache.shape[0]
-    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
-    for grp in meta.decode_groups:
+    k_rows, v_rows = kv_cache[0].view(num_blocks, -1), kv_cache[1].view(num_blocks, -1)
+    for grp in meta.decode_groups(kv_cache):
         size = grp.tokens.shape[0]
         torch.index_select(k_rows, 0, grp.block_ids, out=grp.k_buf)
         torch.index_select(v_rows, 0, grp.block_ids, out=grp.v_buf)
@@ -144,4 +162,38 @@ def fast_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
             scores.masked_fill_(grp.key_padding[:, None, :], float("-inf"))
             heads.append(torch.bmm(scores.softmax(-1).to(q.dtype), v[:, :, h]))
         out[grp.tokens] = torch.stack(heads, dim=1).view(size, num_heads, head_dim)
-    return out.view(num_tokens, num_heads * head_dim)
+
+
+def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Pure torch: SDPA for prefill chunks, grouped batched matmuls for decodes."""
+    out = torch.empty_like(q)
+    _prefill_sdpa(q, kv_cache, meta, out)
+    if meta.decode_indices:
+        _decode_torch(q, kv_cache, meta, out)
+    return out.view(q.shape[0], -1)
+
+
+def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """SDPA for prefill chunks; decodes read K/V in place through the block tables (C++)."""
+    kernels = load_cpu_kernels()
+    out = torch.empty_like(q)
+    _prefill_sdpa(q, kv_cache, meta, out)
+    if meta.decode_indices:
+        rows, seq_lens, tables = meta.decode_tensors()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale)
+    return out.view(q.shape[0], -1)
+
+
+def select_attention(name: str, head_dim: int):
+    """auto: the C++ kernel where it builds (head_dim 64), else pure torch."""
+    if name == "reference":
+        return reference_attention
+    if name == "torch":
+        return torch_attention
+    if name == "cpp" or (name == "auto" and head_dim == 64):
+        if load_cpu_kernels() is not None:
+            return cpp_attention
+        if name == "cpp":
+            raise RuntimeError("attention='cpp' asked for, but the C++ kernel could not be built (see the log)")
+    return torch_attention

@@ -20,7 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"].default)
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention", default=defaults["attention"].default, choices=["fast", "reference"])
+    g.add_argument("--attention", default=defaults["attention"].default, choices=["auto", "cpp", "torch", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--log-level", default="INFO")
 

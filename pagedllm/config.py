@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
-    attention: str = "fast"  # fast | reference
+    attention: str = "auto"  # auto | cpp | torch | reference (see pagedllm/attention.py)
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # seeds the sampler for requests without a seed of their own
 
@@ -40,8 +40,8 @@ class EngineConfig:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("fast", "reference"):
-            raise ValueError(f"attention must be fast or reference, got {self.attention!r}")
+        if self.attention not in ("auto", "cpp", "torch", "reference"):
+            raise ValueError(f"attention must be auto, cpp, torch or reference, got {self.attention!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

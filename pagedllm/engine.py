@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm import attention as attention_impls
+from pagedllm.attention import select_attention
 from pagedllm.config import EngineConfig
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.kv_cache_manager import KVCacheManager
@@ -64,9 +64,7 @@ class LLMEngine:
             self.eos_token_id = model_config.eos_token_id
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
 
-        attention = (
-            attention_impls.fast_attention if config.attention == "fast" else attention_impls.reference_attention
-        )
+        attention = select_attention(config.attention, model_config.head_dim)
         model = LlamaModel(model_config, self.dtype, self.max_model_len, attention)
         model.load_hf_weights(weights)
         del weights

@@ -6,7 +6,15 @@ import math
 import pytest
 import torch
 
-from pagedllm.attention import build_attention_metadata, fast_attention, reference_attention, write_kv
+from pagedllm.attention import (
+    build_attention_metadata,
+    cpp_attention,
+    reference_attention,
+    torch_attention,
+    write_kv,
+)
+
+FAST_PATHS = [torch_attention, cpp_attention]
 
 
 def make_batch(seed, block_size, kv_heads, group, head_dim, shapes, dtype=torch.float32):
@@ -37,7 +45,7 @@ def make_batch(seed, block_size, kv_heads, group, head_dim, shapes, dtype=torch.
     slot_mapping = torch.tensor(slots)
     write_kv(cache, new_k, new_v, slot_mapping)
     seq_lens = [ctx + new for ctx, new in shapes]
-    meta = build_attention_metadata(slot_mapping, qsl, seq_lens, block_tables, cache.shape, dtype)
+    meta = build_attention_metadata(slot_mapping, qsl, seq_lens, block_tables)
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=gen).to(dtype)
     return q, cache, meta, contiguous
 
@@ -59,26 +67,33 @@ def plain_attention(q, contiguous, shapes, group):
 RAGGED = [(0, 1), (5, 1), (0, 17), (33, 1), (16, 16), (40, 9), (0, 64), (127, 1), (3, 1), (64, 1)]
 
 
+@pytest.mark.parametrize("attention", FAST_PATHS)
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32, 128])
 @pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
-def test_fast_matches_reference_float32(block_size, kv_heads, group):
+def test_fast_paths_match_reference_float32(attention, block_size, kv_heads, group):
     q, cache, meta, contiguous = make_batch(block_size * 7 + group, block_size, kv_heads, group, 64, RAGGED)
     ref = reference_attention(q, cache, meta)
     torch.testing.assert_close(ref, plain_attention(q, contiguous, RAGGED, group), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fast_attention(q, cache, meta), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, cache, meta), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_many_decodes_span_several_groups():
+@pytest.mark.parametrize("attention", FAST_PATHS)
+def test_many_decodes_span_several_groups(attention):
     shapes = [(int(n), 1) for n in torch.randint(1, 300, (70,), generator=torch.Generator().manual_seed(3))]
     q, cache, meta, contiguous = make_batch(1, 16, 3, 3, 64, shapes)
-    assert len(meta.decode_groups) > 1 and not meta.prefill_indices
-    torch.testing.assert_close(
-        fast_attention(q, cache, meta), reference_attention(q, cache, meta), atol=1e-5, rtol=1e-5
-    )
+    assert len(meta.decode_groups(cache)) > 1 and not meta.prefill_indices
+    torch.testing.assert_close(attention(q, cache, meta), reference_attention(q, cache, meta), atol=1e-5, rtol=1e-5)
 
 
-def test_fast_matches_reference_bfloat16():
+@pytest.mark.parametrize("attention", FAST_PATHS)
+def test_fast_paths_match_reference_bfloat16(attention):
     q, cache, meta, _ = make_batch(5, 16, 3, 3, 64, RAGGED, dtype=torch.bfloat16)
     torch.testing.assert_close(
-        fast_attention(q, cache, meta).float(), reference_attention(q, cache, meta).float(), atol=2e-2, rtol=2e-2
+        attention(q, cache, meta).float(), reference_attention(q, cache, meta).float(), atol=2e-2, rtol=2e-2
     )
+
+
+def test_cpp_kernel_builds_here():
+    from pagedllm.cpu_kernels import load_cpu_kernels
+
+    assert load_cpu_kernels() is not None, "the C++ kernel should build on this machine (g++ and ninja)"
