@@ -185,13 +185,15 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     return out.view(q.shape[0], -1)
 
 
-def select_attention(name: str, head_dim: int):
-    """auto: the C++ kernel where it builds (head_dim 64), else pure torch."""
+def select_attention(name: str, head_dim: int, num_heads: int):
+    """auto: the C++ kernel where it applies (head_dim 64, at most 64 heads) and builds; else pure torch."""
     if name == "reference":
         return reference_attention
     if name == "torch":
         return torch_attention
-    if name == "cpp" or (name == "auto" and head_dim == 64):
+    if name == "cpp" and (head_dim != 64 or num_heads > 64):
+        raise ValueError(f"attention='cpp' needs head_dim 64 and at most 64 heads, not {head_dim} and {num_heads}")
+    if name == "cpp" or (name == "auto" and head_dim == 64 and num_heads <= 64):
         if load_cpu_kernels() is not None:
             return cpp_attention
         if name == "cpp":

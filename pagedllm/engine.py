@@ -64,7 +64,7 @@ class LLMEngine:
             self.eos_token_id = model_config.eos_token_id
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
 
-        attention = select_attention(config.attention, model_config.head_dim)
+        attention = select_attention(config.attention, model_config.head_dim, model_config.num_heads)
         model = LlamaModel(model_config, self.dtype, self.max_model_len, attention)
         model.load_hf_weights(weights)
         del weights
@@ -169,7 +169,7 @@ class LLMEngine:
         for request_id in result.sampled:
             request = self.requests[request_id]
             detok = self._detokenizers[request_id]
-            delta, hit_stop = detok.update(self._text_ids(request))
+            delta, hit_stop = detok.update(self._text_ids(request), request.finished)
             if hit_stop and not request.finished:
                 self.scheduler.finish(request, FinishReason.STOP)
             outputs.append(self._output(request, delta))
