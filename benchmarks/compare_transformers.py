@@ -45,8 +45,12 @@ def run_transformers(requests: list[dict], dtype: torch.dtype, batch_size: int) 
             mask[row, width - len(prompt) :] = 1
         longest = max(r["max_tokens"] for r in batch)
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-            do_sample=False, pad_token_id=pad,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad,
         )
         output_tokens += sum(r["max_tokens"] for r in batch)
     wall = time.perf_counter() - start

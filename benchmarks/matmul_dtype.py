@@ -30,8 +30,10 @@ def gflops(m: int, out_features: int, in_features: int, dtype: torch.dtype, repe
 
 
 def main() -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native_bf16()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {cpu_has_native_bf16()}"
+    )
     print(f"{'shape':>8} {'tokens':>6} {'float32 GF/s':>13} {'bfloat16 GF/s':>14} {'bf16/fp32':>9}")
     for name, (out_features, in_features) in SHAPES.items():
         for m in (64, 512):

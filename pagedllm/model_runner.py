@@ -57,7 +57,9 @@ class ModelRunner:
         owner = np.repeat(np.arange(len(chunks)), lens)
         slot_mapping = tables[owner, positions // bs] * bs + positions % bs
         seq_lens = [c.start + c.num_new_tokens for c in chunks]
-        meta = build_attention_metadata(torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables))
+        meta = build_attention_metadata(
+            torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables)
+        )
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         logits_rows = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
         return StepTensors(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, sample_rows, logits_rows)
