@@ -94,3 +94,15 @@ def test_bench_writes_the_required_fields(tmp_path, capsys):
 def test_cli_errors_are_clear(argv, message, capsys):
     assert main(argv + ["--log-level", "WARNING"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n\n"))
+    code = main(
+        ["chat", "--max-tokens", "20", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "Rome" in out
