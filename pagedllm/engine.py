@@ -45,7 +45,6 @@ class EngineStats:
     steps: int = 0
     peak_running: int = 0
     kv_peak_blocks_used: int = 0
-    generated_tokens: int = 0
 
 
 class LLMEngine:
@@ -158,7 +157,6 @@ class LLMEngine:
         stats.steps += 1
         stats.peak_running = max(stats.peak_running, len(scheduled.scheduled))
         stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
-        stats.generated_tokens += len(result.sampled)
         for request_id, logprob in result.logprobs.items():
             self.requests[request_id].logprobs.append(logprob)
         self.scheduler.update(scheduled, result.sampled)
