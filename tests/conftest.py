@@ -3,6 +3,7 @@ dequantized weights are loaded once per session and engines are reused."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -37,10 +38,10 @@ def _llm(**kwargs) -> LLM:
     return LLM(dtype="float32", **kwargs)
 
 
-@pytest.fixture
-def make_llm():
-    """make_llm(**engine_args) -> a float32 SmolLM2 engine, shared between tests with the
-    same arguments; after the test, every KV block must be free again."""
+@contextlib.contextmanager
+def llm_factory():
+    """Yields make(**engine_args) -> a float32 SmolLM2 engine, shared between tests
+    with the same arguments; on exit, every KV block of those engines must be free."""
     used: list[LLM] = []
 
     def make(**kwargs) -> LLM:
@@ -51,6 +52,12 @@ def make_llm():
     yield make
     for llm in used:
         assert_no_blocks_held(llm)
+
+
+@pytest.fixture
+def make_llm():
+    with llm_factory() as make:
+        yield make
 
 
 @pytest.fixture(scope="session")

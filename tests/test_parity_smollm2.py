@@ -28,20 +28,12 @@ def reference(prompts, hf_model):
 
 
 @pytest.fixture(scope="module")
-def make_llm(request):
-    # module-scoped twin of conftest's make_llm, so the prompts fixture can use it
-    from conftest import _llm, assert_no_blocks_held
+def make_llm():
+    # module-scoped, so that the module-scoped prompts fixture can use it
+    from conftest import llm_factory
 
-    used = []
-
-    def make(**kwargs):
-        llm = _llm(**kwargs)
-        used.append(llm)
-        return llm
-
-    yield make
-    for llm in used:
-        assert_no_blocks_held(llm)
+    with llm_factory() as make:
+        yield make
 
 
 def test_teacher_forced_logits_match(make_llm, prompts, reference, hf_model):

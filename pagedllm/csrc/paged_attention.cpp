@@ -21,31 +21,41 @@ constexpr int64_t kMaxHeads = 64;
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// Calls fn(t, row as floats) for each token t < len of one request, walking its
+// block table; `buf` receives the converted [kv_heads * 64] row.
+template <typename T, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row,
+                         float* buf, Fn fn) {
+  for (int64_t t = 0, j = 0; t < len; ++j) {
+    const T* block = cache + table[j] * block_size * row;
+    const int64_t n = std::min(block_size, len - t);
+    for (int64_t r = 0; r < n; ++r, ++t) {
+      const T* src = block + r * row;
+      for (int64_t i = 0; i < row; ++i) buf[i] = to_float(src[i]);
+      fn(t, buf);
+    }
+  }
+}
+
 template <typename T>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t len,
                 int64_t block_size, int64_t kv_heads, int64_t group, float scale, std::vector<float>& scores) {
   const int64_t heads = kv_heads * group, row = kv_heads * D;
-  float qf[kMaxHeads * D], acc[kMaxHeads * D], krow_f[kMaxHeads * D];
+  float qf[kMaxHeads * D], acc[kMaxHeads * D], row_f[kMaxHeads * D];
   for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]) * scale;
   scores.resize(heads * len);
 
-  for (int64_t t = 0, j = 0; t < len; ++j) {
-    const T* block = k_cache + table[j] * block_size * row;
-    const int64_t n = std::min(block_size, len - t);
-    for (int64_t r = 0; r < n; ++r, ++t) {
-      const T* krow = block + r * row;
-      for (int64_t i = 0; i < row; ++i) krow_f[i] = to_float(krow[i]);
-      for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qf + (h * group + g) * D;
-          const float* kh = krow_f + h * D;
-          float s = 0.f;
+  for_each_row(k_cache, table, len, block_size, row, row_f, [&](int64_t t, const float* krow) {
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qh = qf + (h * group + g) * D;
+        const float* kh = krow + h * D;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[(h * group + g) * len + t] = s;
-        }
-    }
-  }
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+        scores[(h * group + g) * len + t] = s;
+      }
+  });
   for (int64_t hg = 0; hg < heads; ++hg) {
     float* s = scores.data() + hg * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -60,22 +70,16 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
     for (int64_t i = 0; i < len; ++i) s[i] *= inv;
   }
   std::fill(acc, acc + heads * D, 0.f);
-  for (int64_t t = 0, j = 0; t < len; ++j) {
-    const T* block = v_cache + table[j] * block_size * row;
-    const int64_t n = std::min(block_size, len - t);
-    for (int64_t r = 0; r < n; ++r, ++t) {
-      const T* vrow = block + r * row;
-      for (int64_t i = 0; i < row; ++i) krow_f[i] = to_float(vrow[i]);
-      for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[(h * group + g) * len + t];
-          float* a = acc + (h * group + g) * D;
-          const float* vh = krow_f + h * D;
+  for_each_row(v_cache, table, len, block_size, row, row_f, [&](int64_t t, const float* vrow) {
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[(h * group + g) * len + t];
+        float* a = acc + (h * group + g) * D;
+        const float* vh = vrow + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
-        }
-    }
-  }
+        for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+      }
+  });
   for (int64_t i = 0; i < heads * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
