@@ -46,22 +46,25 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
-        ids = []
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(engine.add_request(prompt, p))
-        except Exception:
-            for request_id in ids:  # all or nothing: a bad prompt leaves nothing queued
-                engine.abort_request(request_id)
+            wanted = set(ids)
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+                while len(results) < len(ids):
+                    for output in engine.step():
+                        if output.finished and output.request_id in wanted:
+                            results[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            # A bad prompt or an interrupt: nothing of this batch stays queued or holds blocks.
+            for request_id in ids:
+                if request_id not in results:
+                    engine.abort_request(request_id)
             raise
-        show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
-            while len(results) < len(ids):
-                for output in engine.step():
-                    if output.finished and output.request_id in ids:
-                        results[output.request_id] = output
-                        bar.update(1)
         return [results[i] for i in ids]
 
     def chat(

@@ -99,3 +99,19 @@ def test_parse_bytes():
     assert parse_bytes(4096) == 4096
     with pytest.raises(ValueError):
         parse_bytes("-1GiB")
+
+
+def test_interrupted_generate_frees_its_requests(llm, monkeypatch):
+    engine = llm.engine
+    real_step, calls = engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["one", "two", "three"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
