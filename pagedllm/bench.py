@@ -51,6 +51,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         engine.add_request(item["prompt_token_ids"], params, request_id=item["id"])
     stats_before = (engine.stats.steps, engine.scheduler.num_preemptions)
     engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
+    engine.memory.reset(engine.scheduler)
     output_tokens = 0
     ttfts = []
     with tqdm(total=len(requests), desc=desc, unit="req") as bar:
@@ -80,4 +81,8 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
         "ttft_median_s": round(ttfts[len(ttfts) // 2], 3),
+        "kv_layout": engine.config.kv_layout,
+        **({"reserve": engine.config.reserve} if engine.config.kv_layout == "contiguous" else {}),
+        "max_model_len": engine.max_model_len,
+        **engine.memory.summary(engine.scheduler),
     }

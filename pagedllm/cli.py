@@ -10,12 +10,28 @@ import sys
 from pagedllm.config import EngineConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """Engine flags; with `sweep`, --block-size takes a comma-separated list (bench)."""
     defaults = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF checkpoint directory (default: bundled SmolLM2)")
     g.add_argument("--dtype", default=defaults["dtype"].default, choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=defaults["block_size"].default)
+    if sweep:
+        g.add_argument("--block-size", default=str(defaults["block_size"].default), help="one size or a list: 8,16,32")
+    else:
+        g.add_argument("--block-size", type=int, default=defaults["block_size"].default)
+    g.add_argument(
+        "--kv-layout",
+        default=defaults["kv_layout"].default,
+        choices=["paged", "contiguous"],
+        help="contiguous: the per-request reservation baseline (docs/paging.md)",
+    )
+    g.add_argument(
+        "--reserve",
+        default=defaults["reserve"].default,
+        choices=["max-model-len", "request"],
+        help="contiguous layout: reserve max-model-len slots per request, or prompt + max_tokens",
+    )
     g.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"].default, help="e.g. 2GiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"].default)
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
@@ -37,11 +53,13 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, block_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=block_size if block_size is not None else args.block_size,
+        kv_layout=args.kv_layout,
+        reserve=args.reserve,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -116,9 +134,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pagedllm.bench import load_workload, run_bench
+    from pagedllm.bench_report import parse_list, run_compare, settings_grid
 
+    block_sizes = parse_list(args.block_size, int)
+    layouts = parse_list(args.compare) if args.compare else [args.kv_layout]
+    base = engine_config(args, block_size=block_sizes[0])
     requests = load_workload(args.workload, args.num_requests)
-    result = run_bench(engine_config(args), requests, ignore_eos=not args.respect_eos)
+    settings = settings_grid(layouts, block_sizes)
+    if len(settings) > 1 or args.report_dir:
+        result = run_compare(
+            base,
+            settings,
+            requests,
+            args.report_dir or "bench-report",
+            ignore_eos=not args.respect_eos,
+            workload_name=str(args.workload),
+        )
+        print(f"report written to {args.report_dir or 'bench-report'}/", file=sys.stderr)
+    else:
+        result = run_bench(base, requests, ignore_eos=not args.respect_eos)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
@@ -149,7 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--output", default=None, help="also write the JSON result here")
     p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it)")
-    add_engine_args(p)
+    p.add_argument(
+        "--compare",
+        default=None,
+        help="KV layouts to run one after another, e.g. paged,contiguous (combined with every --block-size)",
+    )
+    p.add_argument(
+        "--report-dir",
+        default=None,
+        help="folder for summary.json, per-step series and plots (default bench-report when several settings run)",
+    )
+    add_engine_args(p, sweep=True)
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -35,6 +35,8 @@ class EngineConfig:
     attention: str = "auto"  # auto | cpp | torch | reference (see pagedllm/attention.py)
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # seeds the sampler for requests without a seed of their own
+    kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
+    reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -42,6 +44,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.attention not in ("auto", "cpp", "torch", "reference"):
             raise ValueError(f"attention must be auto, cpp, torch or reference, got {self.attention!r}")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
+        if self.reserve not in ("max-model-len", "request"):
+            raise ValueError(f"reserve must be max-model-len or request, got {self.reserve!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

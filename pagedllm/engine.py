@@ -10,8 +10,10 @@ import torch
 
 from pagedllm.attention import select_attention
 from pagedllm.config import EngineConfig
+from pagedllm.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.kv_metrics import KVMemoryTracker
 from pagedllm.model import LlamaModel
 from pagedllm.model_loader import load_weights, resolve_model_path
 from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
@@ -75,16 +77,20 @@ class LLMEngine:
                 f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
                 f"({bytes_per_token * config.block_size} bytes each)"
             )
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+        if config.kv_layout == "contiguous":
+            self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
+        else:
+            self.kv_cache = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, config.seed)
         tokens = num_blocks * config.block_size
         logger.info(
-            "model %s (%s, %d layers); KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
+            "model %s (%s, %d layers); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
             "max model length %d -> %.2fx concurrency at full length",
             path.name,
             str(self.dtype).removeprefix("torch."),
             c.num_layers,
+            config.kv_layout if config.kv_layout == "paged" else f"contiguous (reserve {config.reserve})",
             num_blocks,
             config.block_size,
             tokens,
@@ -98,6 +104,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.memory = KVMemoryTracker()
 
     # --- requests ----------------------------------------------------------------------
 
@@ -169,6 +176,7 @@ class LLMEngine:
             if hit_stop and not request.finished:
                 self.scheduler.finish(request, FinishReason.STOP)
             outputs.append(self._output(request, delta))
+        self.memory.record(self.scheduler, stats.steps)
         return outputs
 
     def _text_ids(self, request: Request) -> list[int]:

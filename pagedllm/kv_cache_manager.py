@@ -30,6 +30,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.num_fragmentation_waits = 0  # kept for parity with the contiguous layout: never counts here
 
     @property
     def num_blocks(self) -> int:
@@ -50,14 +51,21 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def max_blocks_held(self, max_total_tokens: int) -> int:
+        """The most blocks a request of that length can ever hold."""
+        return self.blocks_for_tokens(max_total_tokens)
+
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> AllocationResult | None:
+    def allocate_slots(
+        self, request_id: str, num_total_tokens: int, max_total_tokens: int | None = None
+    ) -> AllocationResult | None:
         """Make the request's table cover `num_total_tokens` tokens.
 
         Returns the newly appended blocks, or None (and changes nothing) when
-        the pool has too few free blocks.
+        the pool has too few free blocks.  `max_total_tokens` is unused: paging
+        allocates on demand (the contiguous layout reserves it up front).
         """
         table = self.block_tables.setdefault(request_id, [])
         missing = self.blocks_for_tokens(num_total_tokens) - len(table)
@@ -70,6 +78,13 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(missing)
         table.extend(new_blocks)
         return AllocationResult(new_blocks)
+
+    def num_allocated_slots(self) -> int:
+        return self.num_used_blocks * self.block_size
+
+    def external_fragmentation_slots(self, max_total_tokens: int | None) -> int:
+        """Always 0: any free block can serve any request."""
+        return 0
 
     def free(self, request_id: str) -> None:
         """Release every block the request holds (finish, abort or preemption)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.kv_cache_manager import AllocationResult, KVCacheManager
 from pagedllm.request import FinishReason, Request, RequestStatus
 
 
@@ -47,8 +48,12 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# Either KV layout: both hand out block tables and answer the same questions.
+KVCache = KVCacheManager | ContiguousKVCacheManager
+
+
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv_cache: KVCache, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -61,11 +66,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        needed = self.kv_cache.blocks_for_tokens(request.max_total_tokens)
+        needed = self.kv_cache.max_blocks_held(request.max_total_tokens)
         if needed > self.kv_cache.num_blocks:
             raise ValueError(
                 f"request {request.request_id} can never fit: prompt ({request.num_prompt_tokens} tokens) + "
-                f"max_tokens needs {request.max_total_tokens} tokens = {needed} blocks, but the whole KV cache "
+                f"max_tokens is {request.max_total_tokens} tokens and may hold {needed} blocks, but the whole KV cache "
                 f"has {self.kv_cache.num_blocks} blocks ({self.kv_cache.num_tokens_capacity} tokens); "
                 "lower max_tokens or raise kv_cache_memory"
             )
@@ -94,7 +99,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not output.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            if self._allocate(request, num_new) is None:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -113,8 +118,13 @@ class Scheduler:
             start + num_new == request.num_tokens,
         )
 
+    def _allocate(self, request: Request, num_new: int) -> AllocationResult | None:
+        return self.kv_cache.allocate_slots(
+            request.request_id, request.num_computed_tokens + num_new, request.max_total_tokens
+        )
+
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
-        while self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+        while self._allocate(request, num_new) is None:
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
