@@ -29,7 +29,10 @@ def assert_no_blocks_held(llm: LLM) -> None:
     kv = llm.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_used_blocks} KV blocks still held"
     assert not kv.block_tables
-    assert all(count == 0 for count in kv.pool.ref_counts)
+    if hasattr(kv, "pool"):
+        assert all(count == 0 for count in kv.pool.ref_counts)
+    else:
+        assert kv.holes == [(0, kv.num_blocks)]  # contiguous: one hole again
     assert not llm.engine.has_unfinished_requests()
 
 
