@@ -176,7 +176,7 @@ class LLMEngine:
             if hit_stop and not request.finished:
                 self.scheduler.finish(request, FinishReason.STOP)
             outputs.append(self._output(request, delta))
-        self.memory.record(self.scheduler, stats.steps)
+        self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
         return outputs
 
     def _text_ids(self, request: Request) -> list[int]:

@@ -12,9 +12,11 @@ every layer):
 - external fragmentation: free slots the request at the head of the queue
   cannot use (contiguous: holes shorter than its reservation; paged: always 0).
 
-Summaries average over the saturated steps, those after which some request is
-still waiting (the engine would run more if memory or batch limits allowed);
-a run that never saturates averages over every step with a running request.
+Summaries average over the memory-bound (saturated) steps, those in which a
+waiting request could not be admitted for lack of KV memory (or a preemption
+had just made room for a running one); a run that never saturates averages
+over every step with a running request.  Steps limited only by the token
+budget or `max_num_seqs` are not saturated in this sense.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class KVMemorySample:
     allocated: int
     capacity: int
     external_fragmentation: int
+    memory_bound: bool = False  # a waiting request could not be admitted for lack of KV memory this step
 
     @property
     def utilization(self) -> float:
@@ -46,7 +49,7 @@ class KVMemorySample:
         return self.allocated - self.tokens
 
 
-def sample_memory(scheduler: Scheduler, step: int, time_s: float) -> KVMemorySample:
+def sample_memory(scheduler: Scheduler, step: int, time_s: float, memory_bound: bool = False) -> KVMemorySample:
     kv = scheduler.kv_cache
     head = scheduler.waiting[0].max_total_tokens if scheduler.waiting else None
     return KVMemorySample(
@@ -58,6 +61,7 @@ def sample_memory(scheduler: Scheduler, step: int, time_s: float) -> KVMemorySam
         allocated=kv.num_allocated_slots(),
         capacity=kv.num_tokens_capacity,
         external_fragmentation=kv.external_fragmentation_slots(head),
+        memory_bound=memory_bound,
     )
 
 
@@ -74,14 +78,14 @@ class KVMemoryTracker:
         self._start = time.perf_counter()
         self._fragmentation_waits_at_reset = scheduler.kv_cache.num_fragmentation_waits
 
-    def record(self, scheduler: Scheduler, step: int) -> KVMemorySample:
-        sample = sample_memory(scheduler, step, time.perf_counter() - self._start)
+    def record(self, scheduler: Scheduler, step: int, memory_bound: bool = False) -> KVMemorySample:
+        sample = sample_memory(scheduler, step, time.perf_counter() - self._start, memory_bound)
         self.samples.append(sample)
         return sample
 
     def summary(self, scheduler: Scheduler) -> dict[str, float | int]:
         active = [s for s in self.samples if s.running]
-        saturated = [s for s in active if s.waiting] or active
+        saturated = [s for s in active if s.memory_bound] or active
         waits = scheduler.kv_cache.num_fragmentation_waits - self._fragmentation_waits_at_reset
         if not active:
             return {"external_fragmentation_waits": waits}
@@ -101,13 +105,18 @@ class KVMemoryTracker:
             "external_fragmentation_mean": mean([s.external_fragmentation / s.capacity for s in saturated]),
             "external_fragmentation_waits": waits,
             "running_mean": round(mean([s.running for s in saturated]), 2),
-            "saturated_steps": len([s for s in active if s.waiting]),
+            "saturated_steps": len([s for s in active if s.memory_bound]),
         }
 
     def rows(self) -> list[dict[str, float | int]]:
         """The per-step series, one dict per step, derived columns included."""
         return [
-            asdict(s) | {"utilization": round(s.utilization, 4), "internal_waste": s.internal_waste}
+            asdict(s)
+            | {
+                "utilization": round(s.utilization, 4),
+                "internal_waste": s.internal_waste,
+                "memory_bound": int(s.memory_bound),
+            }
             for s in self.samples
         ]
 

@@ -38,6 +38,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Why the waiting queue's head was not admitted: "memory" (no room in the KV
+    # cache, or a preemption this step), "budget", "max_num_seqs"; None when nobody waits.
+    admission_blocked_by: str | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -96,10 +99,20 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted this step;
         # otherwise a new arrival could take the blocks just given back.
-        while self.waiting and budget > 0 and not output.preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting:
+            if output.preempted:
+                output.admission_blocked_by = "memory"
+                break
+            if budget <= 0:
+                output.admission_blocked_by = "budget"
+                break
+            if len(self.running) >= self.max_num_seqs:
+                output.admission_blocked_by = "max_num_seqs"
+                break
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate(request, num_new) is None:
+                output.admission_blocked_by = "memory"
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -15,8 +15,9 @@ def two_requests_prefilled(kv) -> tuple[Scheduler, KVMemoryTracker]:
         s.add_request(make_request(rid, prompt_len, max_tokens=3))
     tracker = KVMemoryTracker()
     tracker.reset(s)
-    run_step(s)
-    tracker.record(s, step=1)
+    out, _ = run_step(s)
+    assert out.admission_blocked_by == "memory"  # c does not fit
+    tracker.record(s, step=1, memory_bound=True)
     return s, tracker
 
 
@@ -59,5 +60,23 @@ def test_max_model_len_reservation_wastes_what_the_request_never_uses():
     run_step(s)  # decode: 7 tokens computed, 32 reserved
     sample = tracker.record(s, step=2)
     assert (sample.tokens, sample.allocated, sample.internal_waste) == (7, 32, 25)
-    summary = tracker.summary(s)  # never saturated: averaged over the steps with running requests
+    summary = tracker.summary(s)  # never memory-bound: averaged over the steps with running requests
     assert summary["saturated_steps"] == 0 and summary["kv_utilization_mean"] == round(7 / 32, 4)
+
+
+def test_scheduler_says_why_the_queue_head_waits():
+    s = Scheduler(KVCacheManager(num_blocks=3, block_size=4), max_num_batched_tokens=100, max_num_seqs=8)
+    s.add_request(make_request("a", 8))
+    assert s.schedule().admission_blocked_by is None  # nobody left waiting
+    s.add_request(make_request("b", 8))
+    assert s.schedule().admission_blocked_by == "memory"  # a holds 2 of 3 blocks, b needs 2
+
+    s = Scheduler(KVCacheManager(num_blocks=30, block_size=4), max_num_batched_tokens=10, max_num_seqs=8)
+    for rid in "ab":
+        s.add_request(make_request(rid, 10))
+    assert s.schedule().admission_blocked_by == "budget"
+
+    s = Scheduler(KVCacheManager(num_blocks=30, block_size=4), max_num_batched_tokens=100, max_num_seqs=1)
+    for rid in "ab":
+        s.add_request(make_request(rid, 4))
+    assert s.schedule().admission_blocked_by == "max_num_seqs"
