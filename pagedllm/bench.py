@@ -26,6 +26,10 @@ def load_workload(path: str | Path, num_requests: int | None = None) -> list[dic
                         "id": str(item["id"]),
                         "prompt_token_ids": list(item["prompt_token_ids"]),
                         "max_tokens": int(item["max_tokens"]),
+                        # optional: samples per request and how they are drawn (default: one, greedy)
+                        "n": int(item.get("n", 1)),
+                        "temperature": float(item.get("temperature", 0.0)),
+                        "seed": None if item.get("seed") is None else int(item["seed"]),
                     }
                 )
             except (KeyError, TypeError, ValueError) as error:
@@ -47,9 +51,24 @@ def run_bench(config: EngineConfig, requests: list[dict], ignore_eos: bool = Tru
 def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = True, desc: str = "bench") -> dict:
     start = time.perf_counter()
     for item in requests:
-        params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"], ignore_eos=ignore_eos)
+        params = SamplingParams(
+            n=item.get("n", 1),
+            temperature=item.get("temperature", 0.0),
+            seed=item.get("seed"),
+            max_tokens=item["max_tokens"],
+            ignore_eos=ignore_eos,
+        )
         engine.add_request(item["prompt_token_ids"], params, request_id=item["id"])
-    stats_before = (engine.stats.steps, engine.scheduler.num_preemptions)
+    scheduler = engine.scheduler
+    stats_before = (engine.stats.steps, scheduler.num_preemptions)
+    prefix_before = (
+        scheduler.prefix_cache_queried_tokens,
+        scheduler.prefix_cache_hit_tokens,
+        scheduler.num_forks,
+        scheduler.num_cow_copies,
+    )
+    pool = getattr(engine.kv_cache, "pool", None)  # the contiguous layout has none
+    evictions_before = pool.num_evictions if pool is not None else None
     engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
     engine.memory.reset(engine.scheduler)
     output_tokens = 0
@@ -58,7 +77,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
-                    output_tokens += len(output.token_ids)
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     ttfts.append(output.time_to_first_token or 0.0)
                     bar.update(1)
     wall = time.perf_counter() - start
@@ -84,5 +103,27 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "kv_layout": engine.config.kv_layout,
         **({"reserve": engine.config.reserve} if engine.config.kv_layout == "contiguous" else {}),
         "max_model_len": engine.max_model_len,
+        **prefix_cache_stats(engine, prefix_before, evictions_before),
         **engine.memory.summary(engine.scheduler),
     }
+
+
+def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_before: int | None) -> dict:
+    """Sharing in this run: prefix-cache hits, forks and copy-on-write copies, evictions."""
+    scheduler = engine.scheduler
+    queried = scheduler.prefix_cache_queried_tokens - before[0]
+    hit = scheduler.prefix_cache_hit_tokens - before[1]
+    stats = {
+        "prefix_caching": engine.config.enable_prefix_caching and engine.config.kv_layout == "paged",
+        "forks": scheduler.num_forks - before[2],
+        "cow_copies": scheduler.num_cow_copies - before[3],
+        "prefix_cache_hit_tokens": hit,
+        "prefix_cache_hit_rate": round(hit / queried, 4) if queried else 0.0,
+    }
+    if evictions_before is not None:
+        pool = engine.kv_cache.pool
+        stats |= {
+            "prefix_cache_evictions": pool.num_evictions - evictions_before,
+            "kv_cached_blocks": pool.num_cached_blocks,
+        }
+    return stats

@@ -24,10 +24,16 @@ from pagedllm.kv_metrics import SAMPLE_COLUMNS
 class BenchSetting:
     kv_layout: str
     block_size: int
+    prefix_caching: bool = True
+
+    @property
+    def family(self) -> str:
+        """The setting without its block size: one line per family in a block-size plot."""
+        return self.kv_layout + ("" if self.prefix_caching else "-nocache")
 
     @property
     def name(self) -> str:
-        return f"{self.kv_layout}-bs{self.block_size}"
+        return f"{self.kv_layout}-bs{self.block_size}" + ("" if self.prefix_caching else "-nocache")
 
 
 def parse_list(text: str, item=str) -> list:
@@ -46,8 +52,19 @@ def parse_list(text: str, item=str) -> list:
     return values
 
 
-def settings_grid(layouts: list[str], block_sizes: list[int]) -> list[BenchSetting]:
-    return [BenchSetting(layout, bs) for layout in layouts for bs in block_sizes]
+def settings_grid(layouts: list[str], block_sizes: list[int], prefix_caching: list[bool]) -> list[BenchSetting]:
+    grid = [BenchSetting(layout, bs, cache) for layout in layouts for bs in block_sizes for cache in prefix_caching]
+    # The contiguous layout has no prefix cache to turn off: one run of it, whatever was asked.
+    grid = [BenchSetting(s.kv_layout, s.block_size, s.prefix_caching or s.kv_layout != "paged") for s in grid]
+    return list(dict.fromkeys(grid))
+
+
+def parse_on_off(text: str) -> list[bool]:
+    values = {"on": True, "off": False}
+    items = parse_list(text)
+    if any(item not in values for item in items):
+        raise ValueError(f"--prefix-caching takes on, off or on,off; got {text!r}")
+    return [values[item] for item in items]
 
 
 def run_compare(
@@ -62,7 +79,12 @@ def run_compare(
     report = Path(report_dir)
     report.mkdir(parents=True, exist_ok=True)
     # Check every setting before the first (long) run starts.
-    configs = [dataclasses.replace(base, kv_layout=s.kv_layout, block_size=s.block_size) for s in settings]
+    configs = [
+        dataclasses.replace(
+            base, kv_layout=s.kv_layout, block_size=s.block_size, enable_prefix_caching=s.prefix_caching
+        )
+        for s in settings
+    ]
     results: dict[str, dict] = {}
     series: dict[str, list[dict]] = {}
     for setting, config in zip(settings, configs):

@@ -1,14 +1,21 @@
-"""Physical KV blocks: a free list and one reference count per block.
+"""Physical KV blocks: a free list, one reference count per block, and the prefix cache.
 
 Pure Python (no torch) so it is unit-tested in milliseconds.  The pool knows
-nothing about requests; it only hands out block ids and takes them back.
+nothing about requests; it hands out block ids, takes them back, and remembers
+which full blocks hold which content.
 
-Invariant: a block is in the free list exactly when its reference count is 0.
+Invariants:
+- a block is in the free list exactly when its reference count is 0;
+- a block with a content key (`block_keys[b]`) is findable in `cached` under
+  that key, whether it is held or free; a free cached block keeps its content
+  until `allocate` takes it for something else (an eviction);
+- the free list is ordered least recently freed first, so eviction takes the
+  content that has gone unused longest.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -21,25 +28,41 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached (evictable) ones included."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def is_free(self, block: int) -> bool:
+        return self.ref_counts[block] == 0
+
     def allocate(self, count: int) -> list[int]:
-        """Take `count` free blocks, each with reference count 1 (all or none)."""
+        """Take `count` free blocks, each with reference count 1 (all or none), evicting cached content."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({count})")
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block in blocks:
             self.ref_counts[block] = 1
+            key = self.block_keys[block]
+            if key is not None:
+                del self.cached[key]
+                self.block_keys[block] = None
+                self.num_evictions += 1
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -49,12 +72,37 @@ class BlockPool:
                 raise ValueError(f"block {block} is free; only a used block can be shared")
             self.ref_counts[block] += 1
 
+    def touch(self, blocks: list[int]) -> None:
+        """Add one holder to cached blocks (a prefix-cache hit), taking free ones off the free list."""
+        for block in blocks:
+            if self.block_keys[block] is None:
+                raise ValueError(f"block {block} holds no cached content")
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
     def free_blocks(self, blocks: list[int]) -> None:
-        """Drop one holder from each block; blocks nobody holds go back to the pool."""
+        """Drop one holder from each block; blocks nobody holds go to the end of the free list."""
         for block in blocks:
             count = self.ref_counts[block]
             if count == 0:
                 raise ValueError(f"block {block} freed twice")
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.cached.get(key)
+
+    def cache_block(self, block: int, key: bytes) -> None:
+        """Record that a held, full block holds the content named by `key`.
+
+        When another block already holds that content (two requests computed
+        the same prefix at the same time) the first stays the cached one.
+        """
+        if self.ref_counts[block] == 0:
+            raise ValueError(f"block {block} is free; only a held block can be cached")
+        if key in self.cached or self.block_keys[block] is not None:
+            return
+        self.cached[key] = block
+        self.block_keys[block] = key

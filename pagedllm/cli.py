@@ -27,6 +27,14 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         help="contiguous: the per-request reservation baseline (docs/paging.md)",
     )
     g.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=defaults["enable_prefix_caching"].default,
+        help="reuse the KV of earlier prompts' full blocks (the default)",
+    )
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
         "--reserve",
         default=defaults["reserve"].default,
         choices=["max-model-len", "request"],
@@ -59,6 +67,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         dtype=args.dtype,
         block_size=block_size if block_size is not None else args.block_size,
         kv_layout=args.kv_layout,
+        enable_prefix_caching=args.enable_prefix_caching,
         reserve=args.reserve,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -134,13 +143,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pagedllm.bench import load_workload, run_bench
-    from pagedllm.bench_report import parse_list, run_compare, settings_grid
+    from pagedllm.bench_report import parse_list, parse_on_off, run_compare, settings_grid
 
     block_sizes = parse_list(args.block_size, int)
     layouts = parse_list(args.compare) if args.compare else [args.kv_layout]
     base = engine_config(args, block_size=block_sizes[0])
     requests = load_workload(args.workload, args.num_requests)
-    settings = settings_grid(layouts, block_sizes)
+    caching = parse_on_off(args.prefix_caching) if args.prefix_caching else [args.enable_prefix_caching]
+    settings = settings_grid(layouts, block_sizes, caching)
     if len(settings) > 1 or args.report_dir:
         result = run_compare(
             base,
@@ -187,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         default=None,
         help="KV layouts to run one after another, e.g. paged,contiguous (combined with every --block-size)",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        default=None,
+        help="on, off, or on,off to run both (combined with --compare and --block-size)",
     )
     p.add_argument(
         "--report-dir",

@@ -36,6 +36,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # seeds the sampler for requests without a seed of their own
     kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
+    enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)
     reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
 
     def __post_init__(self) -> None:

@@ -63,8 +63,24 @@ class ContiguousKVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, max_total_tokens: int) -> AllocationResult | None:
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """No prefix caching in this layout: sharing needs blocks that can sit in several tables."""
+        return []
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        pass
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        max_total_tokens: int,
+        cached_blocks: list[int] | None = None,
+        num_computed_tokens: int | None = None,
+    ) -> AllocationResult | None:
         """Reserve the request's whole run on first call; later calls only check it covers the tokens."""
+        if cached_blocks:
+            raise ValueError("the contiguous layout has no prefix cache")
         table = self.block_tables.get(request_id)
         if table is not None:
             if self.blocks_for_tokens(num_total_tokens) > len(table):
@@ -83,6 +99,9 @@ class ContiguousKVCacheManager:
             return None
         table = self.block_tables[request_id] = list(range(start, start + needed))
         return AllocationResult(list(table))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        raise ValueError("the contiguous layout cannot share a reservation: n>1 needs --kv-layout paged")
 
     def _take_first_fit(self, length: int) -> int | None:
         for index, (start, hole) in enumerate(self.holes):

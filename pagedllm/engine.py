@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,7 @@ from pagedllm.kv_metrics import KVMemoryTracker
 from pagedllm.model import LlamaModel
 from pagedllm.model_loader import load_weights, resolve_model_path
 from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
-from pagedllm.outputs import RequestOutput, TokenLogprob
+from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
@@ -40,6 +40,20 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+@dataclass
+class RequestGroup:
+    """One request as the user sees it: its `n` sequences (one when n=1) and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    sequences: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    deltas: list[str] = field(default_factory=list)  # text each sequence added since the last output
+
+    def __post_init__(self) -> None:
+        self.deltas = [""] * len(self.sequences)
 
 
 @dataclass
@@ -80,7 +94,7 @@ class LLMEngine:
         if config.kv_layout == "contiguous":
             self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
         else:
-            self.kv_cache = KVCacheManager(num_blocks, config.block_size)
+            self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, config.seed)
         tokens = num_blocks * config.block_size
@@ -90,7 +104,7 @@ class LLMEngine:
             path.name,
             str(self.dtype).removeprefix("torch."),
             c.num_layers,
-            config.kv_layout if config.kv_layout == "paged" else f"contiguous (reserve {config.reserve})",
+            self._layout_description(),
             num_blocks,
             config.block_size,
             tokens,
@@ -99,18 +113,25 @@ class LLMEngine:
             tokens / self.max_model_len,
         )
 
-        self.requests: dict[str, Request] = {}
-        self._prompts: dict[str, str | None] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Request] = {}  # by sequence id (a request's id when n=1)
+        self.groups: dict[str, RequestGroup] = {}  # by request id
+        self._group_of: dict[str, RequestGroup] = {}  # sequence id -> its request
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.memory = KVMemoryTracker()
+
+    def _layout_description(self) -> str:
+        config = self.config
+        if config.kv_layout == "contiguous":
+            return f"contiguous (reserve {config.reserve}, no prefix caching)"
+        return "paged (prefix caching on)" if config.enable_prefix_caching else "paged (prefix caching off)"
 
     # --- requests ----------------------------------------------------------------------
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
+        """Queue a request; with `params.n > 1` its samples fork from one computed prompt."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -119,14 +140,30 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        if params.n > 1 and self.config.kv_layout != "paged":
+            raise ValueError("n > 1 shares the prompt's blocks between samples: it needs kv_layout='paged'")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self.groups or any(s in self.requests for s in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, self.eos_token_id, self.max_model_len)
-        self.scheduler.add_request(request)  # raises if it can never fit
-        self.requests[request_id] = request
-        self._prompts[request_id] = text
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        sequences = [
+            Request(
+                s, token_ids, params.for_sample(i) if params.n > 1 else params, self.eos_token_id, self.max_model_len
+            )
+            for i, s in enumerate(seq_ids)
+        ]
+        parent = sequences[0]
+        parent.forks = sequences[1:]
+        for child in parent.forks:
+            child.fork_parent = parent
+        self.scheduler.add_request(parent)  # raises if it can never fit
+        group = RequestGroup(
+            request_id, text, sequences, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in sequences]
+        )
+        self.groups[request_id] = group
+        for sequence in sequences:
+            self.requests[sequence.request_id] = sequence
+            self._group_of[sequence.request_id] = group
         return request_id
 
     def _check_prompt(self, token_ids: list[int]) -> None:
@@ -142,11 +179,13 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.get(request_id)
-        if request is None:
+        """End a request (all its samples) at once, freeing its blocks; None if it is unknown or done."""
+        group = self.groups.get(request_id)
+        if group is None:
             return None
-        self.scheduler.finish(request, FinishReason.ABORT)
-        return self._output(request, "")
+        for sequence in reversed(group.sequences):
+            self.scheduler.finish(sequence, FinishReason.ABORT)
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -168,14 +207,17 @@ class LLMEngine:
             self.requests[request_id].logprobs.append(logprob)
         self.scheduler.update(scheduled, result.sampled)
 
-        outputs = []
-        for request_id in result.sampled:
-            request = self.requests[request_id]
-            detok = self._detokenizers[request_id]
-            delta, hit_stop = detok.update(self._text_ids(request), request.finished)
-            if hit_stop and not request.finished:
-                self.scheduler.finish(request, FinishReason.STOP)
-            outputs.append(self._output(request, delta))
+        updated: dict[str, RequestGroup] = {}
+        for seq_id in result.sampled:
+            sequence = self.requests[seq_id]
+            group = self._group_of[seq_id]
+            index = group.sequences.index(sequence)
+            delta, hit_stop = group.detokenizers[index].update(self._text_ids(sequence), sequence.finished)
+            if hit_stop and not sequence.finished:
+                self.scheduler.finish(sequence, FinishReason.STOP)
+            group.deltas[index] += delta
+            updated[group.request_id] = group
+        outputs = [self._output(group) for group in updated.values()]
         self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
         return outputs
 
@@ -190,34 +232,46 @@ class LLMEngine:
             return ids[:-1]
         return ids
 
-    def _output(self, request: Request, delta: str) -> RequestOutput:
-        request_id = request.request_id
-        text = self._detokenizers[request_id].text
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(token, lp, top) for token, (lp, top) in zip(request.output_token_ids, request.logprobs)
-            ]
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        completions = [self._completion(group, i) for i in range(len(group.sequences))]
+        first_token_times = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
+        arrival = group.sequences[0].arrival_time
         output = RequestOutput(
-            request_id=request_id,
-            prompt=self._prompts[request_id],
-            prompt_token_ids=request.prompt_token_ids,
-            text=text,
-            token_ids=request.output_token_ids,
-            finished=request.finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            logprobs=logprobs,
-            time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
-            num_preemptions=request.num_preemptions,
-            delta=delta,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.sequences[0].prompt_token_ids,
+            outputs=completions,
+            finished=all(c.finished for c in completions),
+            time_to_first_token=(min(first_token_times) - arrival) if first_token_times else None,
         )
-        if request.finished:
-            self._forget(request_id)
+        group.deltas = [""] * len(group.sequences)
+        if output.finished:
+            self._forget(group)
         return output
 
-    def _forget(self, request_id: str) -> None:
-        del self.requests[request_id], self._prompts[request_id], self._detokenizers[request_id]
-        self.runner.release(request_id)
+    def _completion(self, group: RequestGroup, index: int) -> CompletionOutput:
+        sequence = group.sequences[index]
+        logprobs = None
+        if sequence.sampling_params.logprobs is not None:
+            logprobs = [
+                TokenLogprob(token, lp, top) for token, (lp, top) in zip(sequence.output_token_ids, sequence.logprobs)
+            ]
+        return CompletionOutput(
+            index=index,
+            text=group.detokenizers[index].text,
+            token_ids=sequence.output_token_ids,
+            finished=sequence.finished,
+            finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
+            logprobs=logprobs,
+            num_preemptions=sequence.num_preemptions,
+            delta=group.deltas[index],
+        )
+
+    def _forget(self, group: RequestGroup) -> None:
+        del self.groups[group.request_id]
+        for sequence in group.sequences:
+            del self.requests[sequence.request_id], self._group_of[sequence.request_id]
+            self.runner.release(sequence.request_id)
 
     def wait_all(self) -> list[RequestOutput]:
         """Run steps until every request is done; return the final outputs in finish order."""

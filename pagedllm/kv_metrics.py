@@ -3,9 +3,13 @@
 Pure Python.  Definitions, in KV slots (one slot holds one token's K and V in
 every layer):
 
-- tokens: slots that hold a computed token of a running request;
-- allocated: slots given to requests (paged: their blocks; contiguous: their
-  whole reservations);
+- tokens: slots that hold a computed token of a running request (a block
+  shared by several requests counts once);
+- allocated: slots given to requests (paged: their blocks, each counted once
+  however many requests share it; contiguous: their whole reservations);
+- unshared: the slots the same tables would take if no block were shared
+  (prefix caching and forks make allocated smaller than this);
+- shared: slots in blocks that more than one running request holds;
 - utilization = tokens / allocated;
 - internal waste = allocated - tokens: space inside a request's own blocks or
   reservation that holds nothing (yet);
@@ -36,6 +40,8 @@ class KVMemorySample:
     waiting: int
     tokens: int
     allocated: int
+    unshared: int
+    shared: int
     capacity: int
     external_fragmentation: int
     memory_bound: bool = False  # a waiting request could not be admitted for lack of KV memory this step
@@ -51,14 +57,31 @@ class KVMemorySample:
 
 def sample_memory(scheduler: Scheduler, step: int, time_s: float, memory_bound: bool = False) -> KVMemorySample:
     kv = scheduler.kv_cache
+    bs = kv.block_size
     head = scheduler.waiting[0].max_total_tokens if scheduler.waiting else None
+    filled: dict[int, int] = {}  # block -> tokens in it; shared blocks once
+    unshared = 0
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for request in scheduler.running:
+        table = kv.block_table(request.request_id)
+        unshared += len(table)
+        shared.update(seen.intersection(table))
+        seen.update(table)
+        full, rest = divmod(request.num_computed_tokens, bs)
+        for block in table[:full]:
+            filled[block] = bs
+        if rest:
+            filled[table[full]] = max(filled.get(table[full], 0), rest)
     return KVMemorySample(
         step=step,
         time_s=time_s,
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        tokens=sum(request.num_computed_tokens for request in scheduler.running),
+        tokens=sum(filled.values()),
         allocated=kv.num_allocated_slots(),
+        unshared=unshared * bs,
+        shared=len(shared) * bs,
         capacity=kv.num_tokens_capacity,
         external_fragmentation=kv.external_fragmentation_slots(head),
         memory_bound=memory_bound,
@@ -101,6 +124,8 @@ class KVMemoryTracker:
             "kv_tokens_mean": round(mean([s.tokens for s in saturated]), 1),
             "kv_tokens_peak": max(s.tokens for s in active),
             "kv_allocated_peak": max(s.allocated for s in active),
+            "kv_unshared_peak": max(s.unshared for s in active),
+            "kv_shared_peak": max(s.shared for s in active),
             "kv_capacity": active[0].capacity,
             "external_fragmentation_mean": mean([s.external_fragmentation / s.capacity for s in saturated]),
             "external_fragmentation_waits": waits,

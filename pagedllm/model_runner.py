@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, build_attention_metadata
 from pagedllm.model import LlamaModel
+from pagedllm.request import Request
 from pagedllm.sampler import Sampler
 from pagedllm.scheduler import SchedulerOutput
 
@@ -22,8 +23,8 @@ class StepTensors:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # index into the scheduled list of each request that samples
-    logits_rows: torch.Tensor  # token row whose hidden state gives that request's logits
+    samplers: list[Request]  # each sequence that samples a token this step (n>1 forks included)
+    logits_rows: torch.Tensor  # token row whose hidden state gives that sequence's logits
 
 
 @dataclass
@@ -60,17 +61,32 @@ class ModelRunner:
         meta = build_attention_metadata(
             torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables)
         )
-        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
-        logits_rows = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
-        return StepTensors(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, sample_rows, logits_rows)
+        samplers: list[Request] = []
+        rows: list[int] = []
+        for i, c in enumerate(chunks):
+            if c.samples:  # forks sample from the same last-position logits as the request they fork from
+                samplers.extend((c.request, *c.forks))
+                rows.extend([query_start_loc[i + 1] - 1] * (1 + len(c.forks)))
+        logits_rows = torch.tensor(rows, dtype=torch.int64)
+        return StepTensors(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, samplers, logits_rows)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: fill each fresh block with its shared source, in every layer, before the step writes."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        self.copy_blocks(output.block_copies)
         step = self.prepare(output)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        if not step.sample_rows:
+        if not step.samplers:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
-        requests = [output.scheduled[i].request for i in step.sample_rows]
+        requests = step.samplers
         params = [r.sampling_params for r in requests]
         generators = [self._generator(r.request_id, r.sampling_params.seed) for r in requests]
         result = self.sampler(logits, params, generators)

@@ -90,11 +90,11 @@ def _throughput(plt, path: Path, results: dict[str, dict]) -> Path:
 
 def _block_size_sweep(plt, path: Path, settings: list[BenchSetting], results: dict[str, dict]) -> Path:
     fig, (waste_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for layout in dict.fromkeys(s.kv_layout for s in settings):
-        points = sorted((s.block_size, results[s.name]) for s in settings if s.kv_layout == layout)
+    for family in dict.fromkeys(s.family for s in settings):
+        points = sorted(((s.block_size, results[s.name]) for s in settings if s.family == family), key=lambda p: p[0])
         sizes = [bs for bs, _ in points]
-        waste_ax.plot(sizes, [100 * r["internal_waste_mean"] for _, r in points], marker="o", label=layout)
-        speed_ax.plot(sizes, [r["output_tokens_per_s"] for _, r in points], marker="o", label=layout)
+        waste_ax.plot(sizes, [100 * r["internal_waste_mean"] for _, r in points], marker="o", label=family)
+        speed_ax.plot(sizes, [r["output_tokens_per_s"] for _, r in points], marker="o", label=family)
     for ax, label in ((waste_ax, "internal waste, % of allocated slots"), (speed_ax, "output tokens/s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (tokens)")

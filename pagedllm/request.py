@@ -21,7 +21,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # requests are compared by identity
 class Request:
     """One sequence.  `token_ids` holds the prompt followed by the output so far.
 
@@ -44,6 +44,9 @@ class Request:
     first_token_time: float | None = None
     # Per generated token: (logprob of the sampled token, [(token id, logprob)] top alternatives).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # n>1: the other samples, waiting to fork from this sequence when its prompt is computed.
+    forks: list[Request] = field(default_factory=list)
+    fork_parent: Request | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

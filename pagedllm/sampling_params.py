@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+MAX_N = 256  # samples per request: each is a sequence with its own blocks once it diverges
 
 
 @dataclass
@@ -43,8 +46,8 @@ class SamplingParams:
         def bad(message: str) -> ValueError:
             return ValueError(f"invalid sampling parameter: {message}")
 
-        if not isinstance(self.n, int) or self.n != 1:
-            raise bad(f"n must be 1 (parallel sampling is not supported yet), got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -65,6 +68,11 @@ class SamplingParams:
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The settings of sample `index` of an n>1 request: one sequence, seed + index when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.contiguous_kv import ContiguousKVCacheManager
-from pagedllm.kv_cache_manager import AllocationResult, KVCacheManager
+from pagedllm.kv_cache_manager import KVCacheManager
 from pagedllm.request import FinishReason, Request, RequestStatus
 
 
@@ -28,6 +28,9 @@ class ScheduledRequest:
     num_new_tokens: int
     block_table: list[int]
     samples: bool  # the chunk reaches the end of the request's tokens: its last position yields a token
+    # n>1: samples that fork from this request at this chunk's token; each samples its own token
+    # from the same logits, then holds the request's blocks (copy-on-write from then on).
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -41,6 +44,8 @@ class SchedulerOutput:
     # Why the waiting queue's head was not admitted: "memory" (no room in the KV
     # cache, or a preemption this step), "budget", "max_num_seqs"; None when nobody waits.
     admission_blocked_by: str | None = None
+    # Copy-on-write: (source, destination) blocks to copy before this step's attention.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,6 +72,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_cow_copies = 0  # blocks copied because a forked sequence wrote into a shared block
+        self.num_forks = 0
+        self.prefix_cache_queried_tokens = 0  # prompt tokens of admitted requests (first admission only)
+        self.prefix_cache_hit_tokens = 0  # of those, tokens whose KV came from the prefix cache
 
     def add_request(self, request: Request) -> None:
         needed = self.kv_cache.max_blocks_held(request.max_total_tokens)
@@ -110,11 +119,20 @@ class Scheduler:
                 output.admission_blocked_by = "max_num_seqs"
                 break
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate(request, num_new) is None:
+            cached = self.kv_cache.find_cached_prefix(request.token_ids)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if (
+                self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, request.max_total_tokens, cached)
+                is None
+            ):
                 output.admission_blocked_by = "memory"
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if request.num_preemptions == 0:  # hit rate is about prompts, not recomputation
+                self.prefix_cache_queried_tokens += request.num_prompt_tokens
+                self.prefix_cache_hit_tokens += num_cached
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(self._chunk(request, num_new))
@@ -123,21 +141,31 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens
         return ScheduledRequest(
             request,
             start,
             num_new,
             self.kv_cache.block_table(request.request_id),
-            start + num_new == request.num_tokens,
+            samples,
+            list(request.forks) if samples else [],
         )
 
-    def _allocate(self, request: Request, num_new: int) -> AllocationResult | None:
-        return self.kv_cache.allocate_slots(
-            request.request_id, request.num_computed_tokens + num_new, request.max_total_tokens
+    def _allocate_running(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        result = self.kv_cache.allocate_slots(
+            request.request_id,
+            request.num_computed_tokens + num_new,
+            request.max_total_tokens,
+            num_computed_tokens=request.num_computed_tokens,
         )
+        if result is None:
+            return False
+        output.block_copies.extend(result.copies)
+        self.num_cow_copies += len(result.copies)
+        return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
-        while self._allocate(request, num_new) is None:
+        while not self._allocate_running(request, num_new, output):
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
@@ -160,21 +188,39 @@ class Scheduler:
         for chunk in output.scheduled:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            reason = request.append_token(token)
-            if reason is not None:
-                self.finish(request, reason)
-                finished.append(request)
+            # Before a possible finish frees them, so a finished prompt stays findable.
+            self.kv_cache.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            for child in chunk.forks:
+                self._fork(request, child)
+            for sequence in (request, *chunk.forks):
+                token = sampled.get(sequence.request_id)
+                if token is None:
+                    continue
+                reason = sequence.append_token(token)
+                if reason is not None:
+                    self.finish(sequence, reason)
+                    finished.append(sequence)
         return finished
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        """The child starts running on the parent's blocks, its prompt computed once."""
+        parent.forks.remove(child)
+        self.kv_cache.fork(parent.request_id, child.request_id)
+        self.num_forks += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is (running, waiting) and free its blocks."""
         if request.finished:
             return
+        for child in list(request.forks):  # samples that never forked end with it
+            self.finish(child, reason)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.fork_parent is not None and request in request.fork_parent.forks:
+            request.fork_parent.forks.remove(request)  # never forked: holds nothing
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)

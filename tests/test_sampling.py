@@ -122,7 +122,7 @@ def test_sampler_follows_the_distribution_and_filters():
         ({"min_p": 2.0}, "min_p"),
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
-        ({"n": 2}, "n must be 1"),
+        ({"n": 0}, "n must be an integer from 1"),
     ],
 )
 def test_bad_sampling_params_are_value_errors(kwargs, message):
