@@ -12,14 +12,13 @@ request asked for are counted.  pagedllm gets every request at once.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from pagedllm.bench import load_workload, run_on_engine
+from pagedllm.bench import load_workload, print_result, run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.model_loader import default_model_path
@@ -87,11 +86,7 @@ def main() -> None:
         "transformers": theirs,
         "output_tokens_per_s_ratio": round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+    print_result(result, args.output)
 
 
 if __name__ == "__main__":

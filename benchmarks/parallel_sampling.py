@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 
-from pagedllm.bench import run_on_engine
+from pagedllm.bench import print_result, run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 
@@ -56,11 +55,7 @@ def main() -> None:
     results["peak_blocks_shared_over_unshared"] = round(s["kv_peak_blocks_used"] / u["kv_peak_blocks_used"], 4)
     results["output_tokens_per_s_ratio"] = round(s["output_tokens_per_s"] / u["output_tokens_per_s"], 3)
     results["setup"] = vars(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_result(results, args.output)
 
 
 if __name__ == "__main__":

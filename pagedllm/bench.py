@@ -13,6 +13,15 @@ from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 
+def print_result(result: dict, output: str | Path | None = None) -> None:
+    """Print a result as JSON, and write the same text to `output` when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
+
+
 def load_workload(path: str | Path, num_requests: int | None = None) -> list[dict]:
     requests = []
     with open(path) as f:

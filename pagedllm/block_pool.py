@@ -73,11 +73,12 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def touch(self, blocks: list[int]) -> None:
-        """Add one holder to cached blocks (a prefix-cache hit), taking free ones off the free list."""
+        """Add one holder to blocks a prefix lookup found: cached ones (taken off the free list when
+        nobody holds them) or held ones another request is computing this step."""
         for block in blocks:
-            if self.block_keys[block] is None:
-                raise ValueError(f"block {block} holds no cached content")
             if self.ref_counts[block] == 0:
+                if self.block_keys[block] is None:
+                    raise ValueError(f"block {block} is free and holds no cached content")
                 del self._free[block]
             self.ref_counts[block] += 1
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -142,7 +141,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pagedllm.bench import load_workload, run_bench
+    from pagedllm.bench import load_workload, print_result, run_bench
     from pagedllm.bench_report import parse_list, parse_on_off, run_compare, settings_grid
 
     block_sizes = parse_list(args.block_size, int)
@@ -163,11 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"report written to {args.report_dir or 'bench-report'}/", file=sys.stderr)
     else:
         result = run_bench(base, requests, ignore_eos=not args.respect_eos)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_result(result, args.output)
     return 0
 
 

@@ -70,6 +70,12 @@ class ContiguousKVCacheManager:
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         pass
 
+    def begin_step(self) -> None:
+        pass
+
+    def mark_pending(self, request_id: str, token_ids: list[int], num_tokens_after_step: int) -> None:
+        pass
+
     def allocate_slots(
         self,
         request_id: str,

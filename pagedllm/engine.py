@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.attention import select_attention
+from pagedllm.beam_search import BeamSearchState
 from pagedllm.config import EngineConfig
 from pagedllm.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.detokenizer import IncrementalDetokenizer
@@ -17,8 +19,9 @@ from pagedllm.kv_metrics import KVMemoryTracker
 from pagedllm.model import LlamaModel
 from pagedllm.model_loader import load_weights, resolve_model_path
 from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
-from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedllm.outputs import RequestOutput
 from pagedllm.request import FinishReason, Request
+from pagedllm.request_group import RequestGroup, text_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.tokenizer import Tokenizer
@@ -40,20 +43,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-@dataclass
-class RequestGroup:
-    """One request as the user sees it: its `n` sequences (one when n=1) and their detokenizers."""
-
-    request_id: str
-    prompt: str | None
-    sequences: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    deltas: list[str] = field(default_factory=list)  # text each sequence added since the last output
-
-    def __post_init__(self) -> None:
-        self.deltas = [""] * len(self.sequences)
 
 
 @dataclass
@@ -117,6 +106,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self._group_of: dict[str, RequestGroup] = {}  # sequence id -> its request
         self._ids = itertools.count()
+        self._beam_ids = itertools.count(1)  # sequence ids of forked beams
         self.stats = EngineStats()
         self.memory = KVMemoryTracker()
 
@@ -143,6 +133,8 @@ class LLMEngine:
         if params.n > 1 and self.config.kv_layout != "paged":
             raise ValueError("n > 1 shares the prompt's blocks between samples: it needs kv_layout='paged'")
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if params.beam_width > 1:
+            return self._add_beam_search(request_id, text, token_ids, params)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self.groups or any(s in self.requests for s in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -162,9 +154,39 @@ class LLMEngine:
         )
         self.groups[request_id] = group
         for sequence in sequences:
-            self.requests[sequence.request_id] = sequence
-            self._group_of[sequence.request_id] = group
+            self._register(group, sequence)
         return request_id
+
+    def _add_beam_search(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+        """A beam-search request starts as one sequence; each step its live beams fork into the next ones."""
+        if self.config.kv_layout != "paged":
+            raise ValueError("beam search shares blocks between beams: it needs kv_layout='paged'")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        width = params.beam_width
+        # Beams only compute and report their 2W best next tokens; the search picks the tokens.
+        beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * width)
+        first = Request(f"{request_id}~0", token_ids, beam_params, self.eos_token_id, self.max_model_len)
+        state = BeamSearchState(
+            width,
+            first.max_total_tokens - len(token_ids),
+            None if params.ignore_eos else self.eos_token_id,
+            params.length_penalty,
+            params.early_stopping,
+        )
+        self.scheduler.add_request(first)  # raises if it can never fit
+        group = RequestGroup(request_id, text, [first], [], beam=state, num_returned=params.n)
+        self.groups[request_id] = group
+        self._register(group, first)
+        return request_id
+
+    def _register(self, group: RequestGroup, sequence: Request) -> None:
+        self.requests[sequence.request_id] = sequence
+        self._group_of[sequence.request_id] = group
+
+    def _unregister(self, sequence: Request) -> None:
+        del self.requests[sequence.request_id], self._group_of[sequence.request_id]
+        self.runner.release(sequence.request_id)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -203,75 +225,77 @@ class LLMEngine:
         stats.steps += 1
         stats.peak_running = max(stats.peak_running, len(scheduled.scheduled))
         stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
-        for request_id, logprob in result.logprobs.items():
-            self.requests[request_id].logprobs.append(logprob)
-        self.scheduler.update(scheduled, result.sampled)
+        # Beams do not take their sampled token: the search chooses among their candidates below.
+        candidates = {s: result.logprobs[s][1] for s in result.sampled if self._group_of[s].beam is not None}
+        sampled = {s: token for s, token in result.sampled.items() if s not in candidates}
+        for seq_id in sampled:
+            if seq_id in result.logprobs:
+                self.requests[seq_id].logprobs.append(result.logprobs[seq_id])
+        self.scheduler.update(scheduled, sampled)
 
         updated: dict[str, RequestGroup] = {}
-        for seq_id in result.sampled:
+        for group in {self._group_of[s].request_id: self._group_of[s] for s in candidates}.values():
+            if self._advance_beams(group, candidates):
+                updated[group.request_id] = group
+        for seq_id in sampled:
             sequence = self.requests[seq_id]
             group = self._group_of[seq_id]
             index = group.sequences.index(sequence)
-            delta, hit_stop = group.detokenizers[index].update(self._text_ids(sequence), sequence.finished)
+            delta, hit_stop = group.detokenizers[index].update(
+                text_token_ids(sequence, self.eos_token_id), sequence.finished
+            )
             if hit_stop and not sequence.finished:
                 self.scheduler.finish(sequence, FinishReason.STOP)
             group.deltas[index] += delta
+            group.first_token_time = group.first_token_time or sequence.first_token_time
             updated[group.request_id] = group
         outputs = [self._output(group) for group in updated.values()]
         self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
         return outputs
 
-    def _text_ids(self, request: Request) -> list[int]:
-        """Output ids that make up the text: a final stop token is not part of it."""
-        ids = request.output_token_ids
-        if (
-            request.finish_reason == FinishReason.STOP
-            and ids
-            and (ids[-1] in request.sampling_params.stop_token_ids or ids[-1] == self.eos_token_id)
-        ):
-            return ids[:-1]
-        return ids
+    def _advance_beams(self, group: RequestGroup, candidates: dict[str, list[tuple[int, float]]]) -> bool:
+        """One beam-search step for a group whose beams all computed this step; True once it is done."""
+        live = group.sequences
+        if any(s.request_id not in candidates for s in live):
+            # A beam was preempted: the others compute their last token again next step, in lockstep.
+            for sequence in live:
+                if sequence.request_id in candidates:
+                    sequence.num_computed_tokens -= 1
+            return False
+        chosen = group.beam.step([candidates[s.request_id] for s in live], [tuple(s.output_token_ids) for s in live])
+        children = []
+        for beam in chosen:
+            parent = live[beam.parent]
+            child = Request(
+                f"{group.request_id}~{next(self._beam_ids)}",
+                parent.prompt_token_ids,
+                parent.sampling_params,
+                self.eos_token_id,
+                self.max_model_len,
+                arrival_time=parent.arrival_time,
+            )
+            child.token_ids = [*parent.token_ids, beam.token_id]
+            child.first_token_time = group.first_token_time = group.first_token_time or time.monotonic()
+            self.scheduler.fork(parent, child)  # shares every block; the last one is copied when written
+            children.append(child)
+        for sequence in live:  # extended by a child or pruned: either way its hold on blocks ends now
+            self.scheduler.finish(sequence, FinishReason.STOP)
+            self._unregister(sequence)
+        group.sequences = children
+        for child in children:
+            self._register(group, child)
+        return group.beam.done
 
     def _output(self, group: RequestGroup) -> RequestOutput:
-        completions = [self._completion(group, i) for i in range(len(group.sequences))]
-        first_token_times = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
-        arrival = group.sequences[0].arrival_time
-        output = RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.sequences[0].prompt_token_ids,
-            outputs=completions,
-            finished=all(c.finished for c in completions),
-            time_to_first_token=(min(first_token_times) - arrival) if first_token_times else None,
-        )
-        group.deltas = [""] * len(group.sequences)
+        output = group.output(self.tokenizer.decode)
         if output.finished:
             self._forget(group)
         return output
 
-    def _completion(self, group: RequestGroup, index: int) -> CompletionOutput:
-        sequence = group.sequences[index]
-        logprobs = None
-        if sequence.sampling_params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(token, lp, top) for token, (lp, top) in zip(sequence.output_token_ids, sequence.logprobs)
-            ]
-        return CompletionOutput(
-            index=index,
-            text=group.detokenizers[index].text,
-            token_ids=sequence.output_token_ids,
-            finished=sequence.finished,
-            finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
-            logprobs=logprobs,
-            num_preemptions=sequence.num_preemptions,
-            delta=group.deltas[index],
-        )
-
     def _forget(self, group: RequestGroup) -> None:
         del self.groups[group.request_id]
         for sequence in group.sequences:
-            del self.requests[sequence.request_id], self._group_of[sequence.request_id]
-            self.runner.release(sequence.request_id)
+            self._unregister(sequence)
 
     def wait_all(self) -> list[RequestOutput]:
         """Run steps until every request is done; return the final outputs in finish order."""

@@ -56,6 +56,9 @@ class KVCacheManager:
         self.block_keys: dict[str, list[bytes]] = {}
         # Mixed into the first block's key: anything besides the tokens that changes the KV.
         self.root_key = hashlib.sha256(b"pagedllm" + cache_salt).digest()
+        # Full blocks that requests scheduled this step are computing: findable by later requests of the
+        # same step (every layer writes the step's K/V before any attention reads it), cached after it.
+        self._pending: dict[bytes, int] = {}
         self.num_fragmentation_waits = 0  # kept for parity with the contiguous layout: never counts here
 
     @property
@@ -101,9 +104,27 @@ class KVCacheManager:
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
             block = self.pool.lookup(parent)
             if block is None:
+                block = self._pending.get(parent)
+            if block is None:
                 break
             hits.append(block)
         return hits
+
+    def begin_step(self) -> None:
+        """A new step: blocks pending from the last one are computed (and cached) or abandoned."""
+        self._pending.clear()
+
+    def mark_pending(self, request_id: str, token_ids: list[int], num_tokens_after_step: int) -> None:
+        """The request's blocks that this step fills become findable by requests admitted after it."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[request_id]
+        bs = self.block_size
+        parent = self.root_key
+        for index in range(num_tokens_after_step // bs):
+            parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
+            if self.pool.lookup(parent) is None:
+                self._pending.setdefault(parent, table[index])
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Name and register the request's blocks that its computed tokens have filled."""
@@ -158,10 +179,8 @@ class KVCacheManager:
         if missing > free_after_hits:
             return None
         if table is None:
-            self.pool.touch(cached_blocks)
+            self.pool.touch(cached_blocks)  # their keys are named again by cache_full_blocks
             table = self.block_tables[request_id] = list(cached_blocks)
-            if cached_blocks:
-                self.block_keys[request_id] = [self.pool.block_keys[b] for b in cached_blocks]
         new_blocks = self.pool.allocate(missing)
         copies = []
         if shared_index is not None:

@@ -67,6 +67,26 @@ class LLM:
             raise
         return [results[i] for i in ids]
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Beam search per prompt; each output holds the `beam_width` best hypotheses, best first
+        (`outputs[i].score`, `.cumulative_logprob`, `.token_ids`, `.text`)."""
+        params = SamplingParams(
+            beam_width=beam_width,
+            n=beam_width,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(
         self,
         messages: Messages | Sequence[Messages],

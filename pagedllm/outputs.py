@@ -24,6 +24,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
     delta: str = ""  # text added since the previous output of this request
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' summed log-probability
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
 
 
 @dataclass

@@ -19,6 +19,11 @@ class SamplingParams:
     string ends generation and is cut from the returned text; a token in
     `stop_token_ids` (or EOS unless `ignore_eos`) ends generation and is kept
     in `token_ids` but not in the text.
+
+    `beam_width=W > 1` turns on beam search (see `pagedllm/beam_search.py`):
+    sampling settings are ignored, `length_penalty` and `early_stopping` act as
+    in transformers, and the request returns its best `n` (at most W)
+    hypotheses, best first.
     """
 
     n: int = 1
@@ -32,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +56,18 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise bad(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
+        if (
+            not isinstance(self.beam_width, int)
+            or isinstance(self.beam_width, bool)
+            or not 1 <= self.beam_width <= MAX_N
+        ):
+            raise bad(f"beam_width must be an integer from 1 to {MAX_N}, got {self.beam_width!r}")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise bad(f"n ({self.n}) cannot exceed beam_width ({self.beam_width}): it counts returned beams")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise bad(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:

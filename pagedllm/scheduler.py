@@ -95,6 +95,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.kv_cache.begin_step()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -102,6 +103,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request preempted itself: it was the latest arrival
+            if num_new > 1:  # a prefill chunk: its full blocks can serve this step's admissions
+                self.kv_cache.mark_pending(request.request_id, request.token_ids, request.num_computed_tokens + num_new)
             output.scheduled.append(self._chunk(request, num_new))
             budget -= num_new
             index += 1
@@ -133,6 +136,8 @@ class Scheduler:
                 self.prefix_cache_queried_tokens += request.num_prompt_tokens
                 self.prefix_cache_hit_tokens += num_cached
             request.num_computed_tokens = num_cached
+            # Later admissions of this step may share the prompt blocks this chunk computes.
+            self.kv_cache.mark_pending(request.request_id, request.token_ids, num_cached + num_new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(self._chunk(request, num_new))
@@ -191,7 +196,8 @@ class Scheduler:
             # Before a possible finish frees them, so a finished prompt stays findable.
             self.kv_cache.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             for child in chunk.forks:
-                self._fork(request, child)
+                request.forks.remove(child)
+                self.fork(request, child)
             for sequence in (request, *chunk.forks):
                 token = sampled.get(sequence.request_id)
                 if token is None:
@@ -202,9 +208,9 @@ class Scheduler:
                     finished.append(sequence)
         return finished
 
-    def _fork(self, parent: Request, child: Request) -> None:
-        """The child starts running on the parent's blocks, its prompt computed once."""
-        parent.forks.remove(child)
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child starts running on the parent's blocks: its first `parent.num_computed_tokens`
+        tokens must be the parent's, and are not computed again."""
         self.kv_cache.fork(parent.request_id, child.request_id)
         self.num_forks += 1
         child.num_computed_tokens = parent.num_computed_tokens

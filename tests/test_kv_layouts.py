@@ -63,7 +63,8 @@ def test_bench_compare_writes_the_report_folder(tmp_path, capsys):
     # 16 MiB holds 364 tokens: two 128-token reservations, against every request at once when paged.
     assert summary["settings"]["contiguous-bs16"]["peak_running"] == 2
     assert summary["settings"]["paged-bs16"]["peak_running"] == 5
-    assert summary["settings"]["paged-bs16"]["kv_utilization_mean"] > 0.8
-    assert summary["settings"]["contiguous-bs16"]["kv_utilization_mean"] < 0.5
+    # Short requests (36-72 tokens) waste half a 16-token block each when paged, 128 - length when reserved.
+    paged, contiguous = (summary["settings"][n]["kv_utilization_mean"] for n in ("paged-bs16", "contiguous-bs16"))
+    assert paged > 0.7 and contiguous < 0.5 and paged > contiguous + 0.25
     for plot in ("kv_utilization", "running", "kv_memory", "throughput", "block_size"):
         assert (report / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot

@@ -81,6 +81,20 @@ def test_scheduler_skips_cached_tokens_and_counts_the_hit_rate():
     assert kv.num_used_blocks == 0
 
 
+def test_a_request_admitted_in_the_same_step_shares_blocks_being_computed():
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=8)
+    s.add_request(make_request("a", 10, max_tokens=2))
+    s.add_request(make_request("b", 10, max_tokens=2))
+    out, _ = run_step(s)
+    # b finds a's two full blocks although a computes them in this very step: b computes only 2 tokens.
+    assert [(c.request.request_id, c.start, c.num_new_tokens) for c in out.scheduled] == [("a", 0, 10), ("b", 8, 2)]
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert s.prefix_cache_hit_tokens == 8 and kv.pool.num_cached_blocks == 2
+    out, _ = run_step(s)  # nothing pending carries over: the blocks are cached now
+    assert not kv._pending
+
+
 def test_without_prefix_caching_nothing_is_found():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     computed(kv, "a", list(range(9)))
