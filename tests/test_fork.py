@@ -81,36 +81,47 @@ def test_aborting_before_the_fork_frees_everything():
 @given(
     num_blocks=st.integers(2, 14),
     block_size=st.sampled_from([1, 2, 4]),
-    ops=st.lists(st.tuples(st.sampled_from(["new", "fork", "write", "free"]), st.integers(0, 6), st.integers(1, 6))),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["new", "fork", "write", "free"]), st.integers(0, 6), st.integers(1, 6)),
+        max_size=60,
+    ),
 )
-def test_forks_and_writes_never_touch_a_shared_block_and_never_leak(num_blocks, block_size, ops):
-    """A model of the cache contents: every request always reads back exactly its own tokens."""
-    kv = KVCacheManager(num_blocks, block_size)
+def test_forks_hits_and_writes_never_touch_a_shared_block_and_never_leak(num_blocks, block_size, ops):
+    """A model of the cache contents, with prefix caching on: new requests start from a few shared
+    prompts (so they hit, partly hit and evict cached blocks), fork, write and finish in any order,
+    and every request always reads back exactly its own tokens."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     contents: dict[int, dict[int, int]] = {}  # block -> offset -> token written there
     tokens: dict[str, list[int]] = {}
-    clock = iter(range(1, 10**6))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9, 9], [8, 8, 8, 8, 8, 8, 8]]
+    clock = iter(range(100, 10**6))
 
-    def write(rid: str, new: list[int]) -> bool:
-        result = kv.allocate_slots(
-            rid, len(tokens.get(rid, [])) + len(new), num_computed_tokens=len(tokens.get(rid, []))
-        )
+    def write(rid: str, new: list[int], cached: list[int] | None = None) -> bool:
+        done = len(tokens.get(rid, [])) if cached is None else len(cached) * block_size
+        result = kv.allocate_slots(rid, done + len(new), cached_blocks=cached, num_computed_tokens=done)
         if result is None:
             return False
         for src, dst in result.copies:
             contents[dst] = dict(contents.get(src, {}))
         table = kv.block_table(rid)
         seq = tokens.setdefault(rid, [])
+        if cached is not None:
+            seq.extend(new_prompt[:done])
         for token in new:
             block, offset = table[len(seq) // block_size], len(seq) % block_size
             assert kv.pool.ref_counts[block] == 1, "a shared block was written in place"
             contents.setdefault(block, {})[offset] = token
             seq.append(token)
+        kv.cache_full_blocks(rid, seq, len(seq))
         return True
 
     for op, rid, amount in ops:
         request_id = f"r{rid}"
         if op == "new" and request_id not in tokens:
-            write(request_id, [next(clock) for _ in range(amount)]) or tokens.pop(request_id, None)
+            new_prompt = prompts[amount % 3][: 2 + amount]
+            hits = kv.find_cached_prefix(new_prompt)
+            if not write(request_id, new_prompt[len(hits) * block_size :], hits):
+                tokens.pop(request_id, None)
         elif op == "fork" and request_id in tokens:
             child = f"r{rid}.{next(clock)}"
             kv.fork(request_id, child)
@@ -123,11 +134,11 @@ def test_forks_and_writes_never_touch_a_shared_block_and_never_leak(num_blocks, 
 
         held = [b for t in kv.block_tables.values() for b in t]
         for block in range(num_blocks):
-            assert kv.pool.ref_counts[block] == held.count(block)
-        assert kv.num_free_blocks == num_blocks - len(set(held))
+            assert kv.pool.ref_counts[block] == held.count(block), "reference count != holders"
+        assert kv.num_free_blocks == num_blocks - len(set(held)), "a block leaked"
         for r, seq in tokens.items():
             table = kv.block_table(r)
             assert [contents[table[p // block_size]][p % block_size] for p in range(len(seq))] == seq
     for r in list(tokens):
         kv.free(r)
-    assert kv.num_free_blocks == num_blocks
+    assert kv.num_free_blocks == num_blocks and all(c == 0 for c in kv.pool.ref_counts)
