@@ -220,3 +220,5 @@ class KVCacheManager:
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free_blocks(list(reversed(table)))
+            if self._pending:  # a block nobody computes any more must not be found this step
+                self._pending = {k: b for k, b in self._pending.items() if not self.pool.is_free(b)}
