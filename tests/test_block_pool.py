@@ -96,3 +96,14 @@ def test_random_interleavings_never_leak_or_double_allocate(num_blocks, block_si
     for request_id in list(lengths):
         kv.free(request_id)
     assert kv.num_free_blocks == num_blocks and all(c == 0 for c in kv.pool.ref_counts)
+
+
+def assert_counts_equal_holders(kv: KVCacheManager) -> list[int]:
+    """Every block's reference count equals the tables holding it, and the free count is the rest;
+    returns the held blocks (with repeats for shared ones)."""
+    held = [b for table in kv.block_tables.values() for b in table]
+    for block in range(kv.num_blocks):
+        assert kv.pool.ref_counts[block] == held.count(block), "reference count != holders"
+        assert kv.pool.is_free(block) == (block not in held)
+    assert kv.num_free_blocks == kv.num_blocks - len(set(held)), "a block leaked"
+    return held

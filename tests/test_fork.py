@@ -7,6 +7,7 @@ from pagedllm.kv_cache_manager import KVCacheManager
 from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
+from tests.test_block_pool import assert_counts_equal_holders
 
 
 def sample_group(prompt_len: int, n: int, max_tokens: int = 4) -> list[Request]:
@@ -132,10 +133,7 @@ def test_forks_hits_and_writes_never_touch_a_shared_block_and_never_leak(num_blo
             kv.free(request_id)
             del tokens[request_id]
 
-        held = [b for t in kv.block_tables.values() for b in t]
-        for block in range(num_blocks):
-            assert kv.pool.ref_counts[block] == held.count(block), "reference count != holders"
-        assert kv.num_free_blocks == num_blocks - len(set(held)), "a block leaked"
+        assert_counts_equal_holders(kv)
         for r, seq in tokens.items():
             table = kv.block_table(r)
             assert [contents[table[p // block_size]][p % block_size] for p in range(len(seq))] == seq

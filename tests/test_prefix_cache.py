@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from pagedllm.kv_cache_manager import KVCacheManager, block_key
 from pagedllm.scheduler import Scheduler
+from tests.test_block_pool import assert_counts_equal_holders
 from tests.test_scheduler import make_request, run_step
 
 
@@ -138,11 +139,7 @@ def test_random_hits_growth_and_frees_keep_counts_right(num_blocks, ops):
             kv.free(request_id)
             del tokens[request_id]
 
-        held = [b for table in kv.block_tables.values() for b in table]
-        for block in range(num_blocks):
-            assert kv.pool.ref_counts[block] == held.count(block), "reference count != holders"
-            assert kv.pool.is_free(block) == (block not in held)
-        assert kv.num_free_blocks == num_blocks - len(set(held)), "a block leaked"
+        assert_counts_equal_holders(kv)
         for key, block in kv.pool.cached.items():
             assert kv.pool.block_keys[block] == key
         # Every cached block a request holds sits where its content key says: same tokens, same position.
