@@ -155,6 +155,9 @@ def _decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
         torch.index_select(v_rows, 0, grp.block_ids, out=grp.v_buf)
         k = grp.k_buf.view(size, -1, kv_heads, head_dim)
         v = grp.v_buf.view(size, -1, kv_heads, head_dim)
+        # Slots past a member's length hold whatever the block held before (stale or
+        # never written, possibly NaN); a zero weight times NaN is NaN, so clear them.
+        v.masked_fill_(grp.key_padding[:, :, None, None], 0.0)
         qg = q.index_select(0, grp.tokens).view(size, kv_heads, group, head_dim)
         heads = []
         for h in range(kv_heads):  # per KV head: K/V are strided views, no copy

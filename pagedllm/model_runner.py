@@ -38,6 +38,9 @@ class ModelRunner:
         c = model.config
         self.model = model
         self.block_size = block_size
+        # Left uninitialized: pages are committed as blocks are first used, and attention
+        # never lets a slot outside a request's context reach its output, NaN included
+        # (tests/test_attention.py::test_slots_outside_every_context_never_reach_the_output).
         self.kv_caches = [
             torch.empty(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=dtype) for _ in range(c.num_layers)
         ]

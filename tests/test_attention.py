@@ -97,3 +97,20 @@ def test_cpp_kernel_builds_here():
     from pagedllm.cpu_kernels import load_cpu_kernels
 
     assert load_cpu_kernels() is not None, "the C++ kernel should build on this machine (g++ and ninja)"
+
+
+@pytest.mark.parametrize("attention", FAST_PATHS)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_slots_outside_every_context_never_reach_the_output(attention, head_dim):
+    """Freed or never-written slots may hold anything, NaN included (a block's tail past
+    its request's length, the padding block 0): no path may read them into a result."""
+    if attention is cpp_attention and head_dim != 64:
+        pytest.skip("the C++ kernel is head_dim 64 only")
+    block_size = 16
+    q, cache, meta, _ = make_batch(2, block_size, 2, 2, head_dim, RAGGED)
+    expected = reference_attention(q, cache, meta)
+    in_context = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool)
+    for table, seq_len in zip(meta.block_tables.tolist(), meta.seq_lens):
+        in_context[[table[p // block_size] * block_size + p % block_size for p in range(seq_len)]] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~in_context] = float("nan")
+    torch.testing.assert_close(attention(q, cache, meta), expected, atol=1e-5, rtol=1e-5)
