@@ -166,9 +166,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from pagedllm.api_server import ServerSettings, build_app
+    from pagedllm.async_engine import AsyncLLMEngine
+    from pagedllm.config import parse_bytes
+    from pagedllm.engine import LLMEngine
+    from pagedllm.model_loader import resolve_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    config = engine_config(args)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or served_model_name(config.model),
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        max_body_bytes=parse_bytes(args.max_body_size),
+    )
+    engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
+    app = build_app(engine, Tokenizer(resolve_model_path(config.model)), settings)
+    logging.getLogger("pagedllm").info(
+        "serving %r on http://%s:%d/v1 (dashboard: /dashboard, metrics: /metrics)%s",
+        settings.served_model_name,
+        args.host,
+        args.port,
+        "; API key required" if settings.api_key else "",
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log)
+    return 0
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients pass as `model`: the bundled model's name, else the file's or folder's name."""
+    from pathlib import Path
+
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, dashboard)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or PAGEDLLM_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="queue bound: more waiting requests get a 429")
+    p.add_argument("--max-body-size", default="4MiB", help="larger request bodies get a 413")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="answer one prompt (chat template applied unless --raw)")
     p.add_argument("prompt")

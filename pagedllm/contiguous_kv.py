@@ -133,6 +133,13 @@ class ContiguousKVCacheManager:
             end += self.holes.pop(index)[1]
         self.holes.insert(index, (start, end - start))
 
+    def block_states(self) -> str:
+        """One character per block: "u" reserved by a request, "." free (no sharing, no cache here)."""
+        states = ["u"] * self.num_blocks
+        for start, length in self.holes:
+            states[start : start + length] = ["."] * length
+        return "".join(states)
+
     def num_allocated_slots(self) -> int:
         return self.num_used_blocks * self.block_size
 

@@ -203,6 +203,15 @@ class KVCacheManager:
         if parent_id in self.block_keys:
             self.block_keys[child_id] = list(self.block_keys[parent_id])
 
+    def block_states(self) -> str:
+        """One character per physical block: "." free, "u" held by one request,
+        "s" shared by several, "c" free but holding cached content (evictable)."""
+        pool = self.pool
+        return "".join(
+            ("s" if ref > 1 else "u") if ref else ("c" if key is not None else ".")
+            for ref, key in zip(pool.ref_counts, pool.block_keys)
+        )
+
     def num_allocated_slots(self) -> int:
         return self.num_used_blocks * self.block_size
 

@@ -1,0 +1,301 @@
+"""`pagedllm serve` driven by the real openai client (sync and async) over loopback HTTP.
+
+One server process for the module (the real command, SmolLM2 in float32); the
+expected texts come from the offline engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+from conftest import llm_factory
+from server_helpers import API_KEY, MODEL, serve_subprocess
+
+from pagedllm import SamplingParams
+
+SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-num-seqs", "64")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_subprocess(*SERVER_ARGS) as server:
+        yield server
+    # (every test below that leaves requests behind checks the blocks itself)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine on the same weights: the expected texts."""
+    with llm_factory() as make:
+        yield make(kv_cache_memory="128MiB")
+
+
+def greedy_text(llm, prompt_ids: list[int], max_tokens: int) -> str:
+    return llm.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].text
+
+
+def assert_all_blocks_free(server) -> dict:
+    return server.wait_until(lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv"]["used_blocks"] == 0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_the_offline_engine(client, offline):
+    prompt = "The three primary colors are"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ids = offline.tokenizer.encode(prompt)
+    choice = response.choices[0]
+    assert choice.text == greedy_text(offline, ids, 12)
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(ids)
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == len(ids) + 12
+
+
+def test_chat_streamed_equals_unstreamed_and_usage_counts(client, offline):
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    prompt_ids = offline.tokenizer.apply_chat_template(messages)
+    assert whole.choices[0].message.content == greedy_text(offline, prompt_ids, 16)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert len(chunks) > 3, "a stream sends tokens as they come, not one block at the end"
+
+
+def test_streamed_completion_with_logprobs(client):
+    stream = client.completions.create(
+        model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0, logprobs=2, stream=True
+    )
+    tokens, text = [], ""
+    for chunk in stream:
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            assert all(len(top) == 2 for top in chunk.choices[0].logprobs.top_logprobs)
+    assert len(tokens) == 8 and "".join(tokens) == text
+
+
+def test_n_samples_with_a_seed_are_reproducible(client):
+    def ask():
+        return client.completions.create(
+            model=MODEL, prompt="My favourite animal is", max_tokens=10, temperature=1.0, n=3, seed=7
+        )
+
+    first, second = ask(), ask()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1, "three seeded samples should not all be equal"
+    assert first.usage.completion_tokens == 30
+
+
+def test_batched_prompts_and_n_index_the_choices(client):
+    response = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: equal samples
+    assert response.choices[2].text == response.choices[3].text
+
+
+def test_stop_strings_end_and_are_cut(client):
+    response = client.completions.create(
+        model=MODEL, prompt="Here is a list of fruits: apple, banana,", max_tokens=30, temperature=0, stop=[","]
+    )
+    choice = response.choices[0]  # unstopped: " orange, lemon, grape, ..."
+    assert choice.finish_reason == "stop" and choice.text == " orange"
+
+
+def test_thirty_two_concurrent_streams_async(server, offline):
+    prompts = [f"Write a word that rhymes with number {i}:" for i in range(32)]
+    expected = [
+        o.text for o in offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    ]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(run()) == expected
+    stats = assert_all_blocks_free(server)
+    assert stats["kv"]["free_blocks"] == stats["kv"]["num_blocks"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server, client):
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Tell me a very long story.",
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},  # an extension: it runs its 500 tokens unless aborted
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    during = server.stats()
+    assert during["running"] == 1 and during["kv"]["used_blocks"] > 0
+    stream.close()
+    assert_all_blocks_free(server)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'pagedllm_requests_finished_total{finish_reason="abort"} 1.0' in metrics
+
+
+BAD_INPUTS = [
+    # (name, path, raw body or json, headers override, status, words in the message)
+    ("malformed-json", "/v1/completions", b'{"prompt": "hi",', None, 400, "not valid JSON"),
+    ("not-an-object", "/v1/completions", [1, 2], None, 400, "JSON object"),
+    ("wrong-type", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens"),
+    ("negative-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
+    ("huge-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, None, 400, "maximum context length"),
+    ("n-zero", "/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n must be"),
+    ("top-p-two", "/v1/completions", {"prompt": "hi", "top_p": 2}, None, 400, "top_p"),
+    (
+        "temperature-negative",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+        None,
+        400,
+        "temperature",
+    ),
+    ("no-prompt", "/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, None, 400, "empty"),
+    ("bad-token-id", "/v1/completions", {"prompt": [1, 10**7]}, None, 400, "token ids"),
+    ("no-messages", "/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
+    ("penalty", "/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, None, 400, "frequency_penalty"),
+    ("unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, None, 404, "gpt-9"),
+    ("too-long-prompt", "/v1/completions", {"prompt": [42] * 9000}, None, 400, "8192"),
+    ("never-fits", "/v1/completions", {"prompt": "hi", "max_tokens": 8000}, None, 400, "never fit"),
+    ("no-key", "/v1/completions", {"prompt": "hi"}, {}, 401, "missing API key"),
+    ("wrong-key", "/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer nope"}, 401, "wrong API key"),
+    ("oversized-body", "/v1/completions", b"x" * (5 * 2**20), None, 413, "larger than the limit"),
+    ("unknown-path", "/v1/embeddings", {"input": "hi"}, None, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body,headers,status,words", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
+def test_bad_input_gets_its_4xx_and_the_server_goes_on(server, client, path, body, headers, status, words):
+    sent_headers = server.headers() if headers is None else headers
+    if isinstance(body, bytes):
+        response = httpx.post(server.url + path, content=body, headers=sent_headers, timeout=60)
+    else:
+        response = httpx.post(server.url + path, json=body, headers=sent_headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words.lower() in error["message"].lower()
+    assert {"message", "type", "param", "code"} <= set(error)
+    # ...and the next correct request is answered correctly.
+    ok = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and len(ok.choices[0].text) > 0
+
+
+def test_bad_input_through_the_client_raises_its_error(client):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="hi", top_p=2.0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    bad_key = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    client.completions.create(model=MODEL, prompt="Cats are", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in (
+        "pagedllm_requests_running",
+        "pagedllm_requests_waiting",
+        "pagedllm_kv_blocks_used",
+        "pagedllm_kv_blocks_free",
+        "pagedllm_kv_blocks_cached",
+        "pagedllm_prefix_cache_hit_rate",
+        "pagedllm_preemptions_total",
+    ):
+        assert name in values, name
+    assert values["pagedllm_generation_tokens_total"] >= 5
+    assert values["pagedllm_prompt_tokens_total"] >= 2
+    assert values["pagedllm_time_to_first_token_seconds_count"] >= 1
+    assert values["pagedllm_inter_token_latency_seconds_count"] >= 4
+    assert values["pagedllm_kv_blocks_free"] + values["pagedllm_kv_blocks_used"] == values["pagedllm_kv_blocks_total"]
+
+
+def test_soak_400_requests_a_quarter_cancelled(server):
+    """400 streamed requests, 32 at a time; about a quarter leave after 1-3 chunks.
+    Afterwards no block is held and the server still answers."""
+    rng = random.Random(1234)
+    plan = [
+        (
+            f"Item {i}: describe a {rng.choice(['cat', 'boat', 'tree', 'cloud'])}",
+            rng.random() < 0.25,
+            rng.randint(0, 2),
+            rng.randint(5, 10),
+        )
+        for i in range(400)
+    ]
+    results = {"done": 0, "cancelled": 0}
+
+    async def one(client, semaphore, prompt, cancel, cancel_after, max_tokens):
+        async with semaphore:
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.8, seed=1, stream=True
+            )
+            count = 0
+            async for chunk in stream:
+                count += 1
+                if cancel and count > cancel_after:
+                    await stream.close()
+                    results["cancelled"] += 1
+                    return
+                if chunk.choices[0].finish_reason:
+                    results["done"] += 1
+
+    async def run():
+        semaphore = asyncio.Semaphore(32)
+        async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300) as client:
+            await asyncio.wait_for(asyncio.gather(*(one(client, semaphore, *item) for item in plan)), timeout=600)
+
+    asyncio.run(run())
+    assert results["done"] + results["cancelled"] == 400
+    assert 60 < results["cancelled"] < 140
+    assert_all_blocks_free(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+    answer = httpx.post(server.v1 + "/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=server.headers())
+    assert answer.status_code == 200
