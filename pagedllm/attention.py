@@ -10,8 +10,9 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
 - `torch_attention`: prefill chunks use SDPA per request over the request's
   gathered blocks; decodes are sorted by length and run in groups as batched
   matmuls, each group padded only to its own longest member.
-- `cpp_attention`: prefill as above; decodes run a C++/OpenMP kernel that
-  reads K/V in place through the block tables (no gather, no padding).
+- `cpp_attention`: C++/OpenMP kernels that read K/V in place through the block
+  tables (no gather, no padding): one for prefill chunks (online softmax over
+  key tiles, causal), one for decodes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ class AttentionMetadata:
     decode_indices: list[int] = field(default_factory=list)  # requests with one new token, shortest first
     _decode_groups: list[DecodeGroup] | None = None
     _decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _prefill_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prefill_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first query row, new tokens, seq lens, block tables) of the prefilling requests, for the C++ kernel."""
+        if self._prefill_tensors is None:
+            index = self.prefill_indices
+            qsl = self.query_start_loc
+            self._prefill_tensors = (
+                torch.tensor([qsl[i] for i in index], dtype=torch.int64),
+                torch.tensor([qsl[i + 1] - qsl[i] for i in index], dtype=torch.int64),
+                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+            )
+        return self._prefill_tensors
 
     def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(query rows, seq lens, block tables) of the decoding requests, for the C++ kernel."""
@@ -177,14 +192,17 @@ def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """SDPA for prefill chunks; decodes read K/V in place through the block tables (C++)."""
+    """Prefill chunks and decodes both read K/V in place through the block tables (C++ kernels)."""
     kernels = load_cpu_kernels()
+    q = q.contiguous()
     out = torch.empty_like(q)
-    _prefill_sdpa(q, kv_cache, meta, out)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if meta.prefill_indices:
+        starts, lens, seq_lens, tables = meta.prefill_tensors()
+        kernels.paged_prefill_attention(q, kv_cache[0], kv_cache[1], out, starts, lens, seq_lens, tables, scale)
     if meta.decode_indices:
         rows, seq_lens, tables = meta.decode_tensors()
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale)
+        kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale)
     return out.view(q.shape[0], -1)
 
 

@@ -44,6 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention", default=defaults["attention"].default, choices=["auto", "cpp", "torch", "reference"])
+    g.add_argument(
+        "--linear",
+        default=defaults["linear"].default,
+        choices=["auto", "onednn", "torch"],
+        help="GEMM backend of the projections: oneDNN with packed weights where it runs (auto), or F.linear",
+    )
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--log-level", default="INFO")
 
@@ -73,6 +79,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         attention=args.attention,
+        linear=args.linear,
         num_threads=args.num_threads,
     )
 

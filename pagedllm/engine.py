@@ -16,6 +16,7 @@ from pagedllm.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.kv_cache_manager import KVCacheManager
 from pagedllm.kv_metrics import KVMemoryTracker
+from pagedllm.linear import resolve_linear_backend
 from pagedllm.model import LlamaModel
 from pagedllm.model_loader import load_weights, resolve_model_path
 from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
@@ -69,7 +70,8 @@ class LLMEngine:
 
         attention = select_attention(config.attention, model_config.head_dim, model_config.num_heads)
         model = LlamaModel(model_config, self.dtype, self.max_model_len, attention)
-        model.load_hf_weights(weights)
+        self.linear_backend = resolve_linear_backend(config.linear, self.dtype)
+        model.load_hf_weights(weights, self.linear_backend)
         del weights
 
         c = model_config
@@ -88,11 +90,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, config.seed)
         tokens = num_blocks * config.block_size
         logger.info(
-            "model %s (%s, %d layers); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
+            "model %s (%s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
             "max model length %d -> %.2fx concurrency at full length",
             path.name,
             str(self.dtype).removeprefix("torch."),
             c.num_layers,
+            self.linear_backend,
             self._layout_description(),
             num_blocks,
             config.block_size,

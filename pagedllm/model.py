@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, write_kv
+from pagedllm.linear import Linear
 from pagedllm.model_loader import ModelConfig
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -55,6 +56,15 @@ class DecoderLayer(nn.Module):
             torch.empty(2 * c.intermediate_size, c.hidden_size, dtype=dtype), requires_grad=False
         )
         self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, dtype=dtype), requires_grad=False)
+        self.linears: dict[str, Linear] = {}
+
+    def prepare_linears(self, backend: str) -> None:
+        """Build the projections from the loaded weights; a packed copy replaces the weight."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            param = getattr(self, name)
+            self.linears[name] = Linear(param.data, backend)
+            if backend != "torch":  # the packed copy is the only one used from now on
+                param.data = torch.empty(0, dtype=param.dtype)
 
     def forward(
         self,
@@ -65,16 +75,17 @@ class DecoderLayer(nn.Module):
         rotary: Rotary,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        linears = self.linears
         h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = F.linear(h, self.qkv_proj).split(self.split, dim=-1)
+        q, k, v = linears["qkv_proj"](h).split(self.split, dim=-1)
         q = rotary.apply(q.view(-1, self.num_heads, self.head_dim), positions)
         k = rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), positions)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        x = x + F.linear(attention(q, kv_cache, meta), self.o_proj)
+        x = x + linears["o_proj"](attention(q, kv_cache, meta))
 
         h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linears["gate_up_proj"](h).chunk(2, dim=-1)
+        return x + linears["down_proj"](F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -93,9 +104,11 @@ class LlamaModel(nn.Module):
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
+        self.lm_head_linear: Linear | None = None
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], linear_backend: str = "torch") -> None:
+        """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
+        build the projections with `linear_backend` (see pagedllm/linear.py)."""
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -117,6 +130,10 @@ class LlamaModel(nn.Module):
                 layer.o_proj.copy_(take(p + "self_attn.o_proj.weight"))
                 layer.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
                 layer.down_proj.copy_(take(p + "mlp.down_proj.weight"))
+        for layer in self.layers:
+            layer.prepare_linears(linear_backend)
+        # The LM head keeps its weight (tied to the embedding table in SmolLM2).
+        self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
 
     @torch.inference_mode()
     def forward(
@@ -129,4 +146,4 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_linear(hidden).float()

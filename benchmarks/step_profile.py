@@ -1,0 +1,110 @@
+"""Where a decode step's time goes: the model's math against the engine's own work.
+
+    python benchmarks/step_profile.py --batch 64 128 256 --context 256 --steps 10
+
+For each batch size: that many requests with random prompts of `--context`
+tokens are prefilled, then `--steps` decode steps are timed piece by piece
+(wrapping the engine's own methods, nothing else changed):
+
+- model math: the forward pass (of which attention is reported apart), the LM
+  head on the sampled rows, and the sampler;
+- engine overhead: scheduling, copy-on-write block copies, building the step's
+  tensors, and updating requests (append, stops, detokenizing, outputs),
+  plus whatever of `LLMEngine.step()` none of the above covers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+
+def timed(totals: dict[str, float], name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params, f"p{seed}-{i}")
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()  # prefill (and the first decode) untimed
+
+    totals: dict[str, float] = defaultdict(float)
+    runner, model = engine.runner, engine.runner.model
+    patches = [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner, "copy_blocks", "copy_blocks"),
+        (runner, "prepare", "prepare_tensors"),
+        (model, "forward", "forward"),
+        (model, "compute_logits", "lm_head"),
+        (runner, "sampler", "sampler"),
+        (engine, "_update", "update"),
+        (model, "attention", "attention"),  # inside forward
+    ]
+    originals = [getattr(obj, attr) for obj, attr, _ in patches]
+    for obj, attr, name in patches:
+        setattr(obj, attr, timed(totals, name, getattr(obj, attr)))
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        for (obj, attr, _), original in zip(patches, originals):
+            setattr(obj, attr, original)
+    engine.wait_all()
+
+    math = totals["forward"] + totals["lm_head"] + totals["sampler"]
+    overhead = wall - math
+    per_step = {name: round(value / steps * 1e3, 2) for name, value in sorted(totals.items())}
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": round(wall / steps * 1e3, 2),
+        "ms_per_step": per_step,
+        "model_math_ms": round(math / steps * 1e3, 2),
+        "engine_overhead_ms": round(overhead / steps * 1e3, 2),
+        "engine_overhead_share": round(overhead / wall, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
+    results = []
+    for seed, batch in enumerate(args.batch):
+        result = profile(engine, batch, args.context, args.steps, seed)
+        print(json.dumps(result))
+        results.append(result)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({"dtype": str(engine.dtype), "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

