@@ -206,8 +206,18 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     return out.view(q.shape[0], -1)
 
 
-def select_attention(name: str, head_dim: int, num_heads: int):
-    """auto: the C++ kernel where it applies (head_dim 64, at most 64 heads) and builds; else pure torch."""
+def triton_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The Triton kernel (GPUs; see pagedllm/triton_attention.py), imported on first use."""
+    from pagedllm.triton_attention import triton_attention as kernel
+
+    return kernel(q, kv_cache, meta)
+
+
+def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cpu"):
+    """auto: on CUDA the Triton kernel; on the CPU the C++ kernels where they apply (head_dim 64,
+    at most 64 heads) and build, else pure torch."""
+    if name == "triton" or (name == "auto" and device.startswith("cuda")):
+        return triton_attention
     if name == "reference":
         return reference_attention
     if name == "torch":

@@ -43,7 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"].default)
     g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention", default=defaults["attention"].default, choices=["auto", "cpp", "torch", "reference"])
+    g.add_argument(
+        "--attention", default=defaults["attention"].default, choices=["auto", "cpp", "torch", "triton", "reference"]
+    )
     g.add_argument(
         "--linear",
         default=defaults["linear"].default,

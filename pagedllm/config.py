@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
-    attention: str = "auto"  # auto | cpp | torch | reference (see pagedllm/attention.py)
+    attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/attention.py)
     linear: str = "auto"  # auto | onednn | torch (see pagedllm/linear.py)
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # seeds the sampler for requests without a seed of their own
@@ -44,8 +44,8 @@ class EngineConfig:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("auto", "cpp", "torch", "reference"):
-            raise ValueError(f"attention must be auto, cpp, torch or reference, got {self.attention!r}")
+        if self.attention not in ("auto", "cpp", "torch", "triton", "reference"):
+            raise ValueError(f"attention must be auto, cpp, torch, triton or reference, got {self.attention!r}")
         if self.linear not in ("auto", "onednn", "torch"):
             raise ValueError(f"linear must be auto, onednn or torch, got {self.linear!r}")
         if self.kv_layout not in ("paged", "contiguous"):

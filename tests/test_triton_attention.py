@@ -55,3 +55,13 @@ def test_triton_kernel_ignores_slots_outside_every_context():
         in_context[[table[p // 8] * 8 + p % 8 for p in range(seq_len)]] = True
     cache.view(2, -1, *cache.shape[3:])[:, ~in_context] = float("nan")
     torch.testing.assert_close(triton_attention(q, cache, meta), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_selection_picks_triton_on_cuda_only():
+    from pagedllm.attention import select_attention
+    from pagedllm.attention import triton_attention as lazy_triton
+
+    assert select_attention("auto", 64, 9, device="cuda") is lazy_triton
+    assert select_attention("auto", 64, 9, device="cpu") is not lazy_triton
+    q, cache, meta, _ = make_batch(1, 16, 3, 3, 64, [(4, 1), (0, 5)])
+    torch.testing.assert_close(lazy_triton(q, cache, meta), reference_attention(q, cache, meta), atol=1e-4, rtol=1e-4)
