@@ -115,14 +115,16 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
 //      a time (2 * kRowBlock independent FMA chains per key tile);
 //   2. an exact softmax per row over its visible keys (causal: the query at
 //      position p sees keys 0..p), vectorized over whole rows;
-//   3. O = P V, value tiles gathered the same way, kRowBlock rows x 16 dims at a time.
-// S lives in a per-thread buffer (rows x keys floats); measured faster here than an
-// online softmax, whose per-tile rescaling cost as much as the matmuls.
+//   3. O = P V: the item's V rows gathered once into a contiguous buffer, then
+//      kRowBlock rows x 16 dims accumulated in registers over all visible keys.
+// S and the V rows live in a per-thread buffer (rows x keys + keys x 64 floats);
+// measured faster here than an online softmax, whose per-tile rescaling cost as
+// much as the two matmuls.
 #ifndef PAGEDLLM_KEY_TILE
 #define PAGEDLLM_KEY_TILE 16
 #endif
 #ifndef PAGEDLLM_ROWS_PER_ITEM
-#define PAGEDLLM_ROWS_PER_ITEM 48
+#define PAGEDLLM_ROWS_PER_ITEM 96
 #endif
 constexpr int64_t kKeyTile = PAGEDLLM_KEY_TILE;
 constexpr int64_t kRowsPerItem = PAGEDLLM_ROWS_PER_ITEM;
@@ -177,14 +179,13 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t num_keys = first_pos + num_tokens;  // the last token sees every key before it
   const int64_t width = (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
-  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile);
+  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile + width * D);
   float* Q = buf.data();              // [padded][D], pre-scaled; padding rows are zero
   float* acc = Q + padded * D;        // [padded][D]
   float* inv_sum = acc + padded * D;  // [padded]
   float* S = inv_sum + padded;        // [padded][width] scores, then probabilities
-  float* tile = S + padded * width;   // [D][kKeyTile] (K, transposed) or [kKeyTile][D] (V)
+  float* tile = S + padded * width;   // [D][kKeyTile]: a K tile, transposed
   std::fill(Q, Q + padded * D, 0.f);
-  std::fill(acc, acc + padded * D, 0.f);
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = q + (row0 + t) * heads * D + (h * group + g) * D;
@@ -227,24 +228,25 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     std::fill(s + visible, s + width, 0.f);
     inv_sum[r] = visible ? 1.f / sum : 0.f;
   }
-  // 3. values
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-    load_tile(v_cache, table, k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, tile, false);
-    for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-      if (k0 >= block_keys(r0)) continue;
-      for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
-        float a[kRowBlock][kDimBlock];
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(acc + (r0 + rr) * D + d0, kDimBlock, a[rr]);
-        for (int64_t i = 0; i < kKeyTile; ++i) {
-          const float* vi = tile + i * D + d0;
-          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-            const float p = S[(r0 + rr) * width + k0 + i];
+  // 3. values: the item's V rows gathered once into a contiguous buffer, then each
+  // block of kRowBlock rows x kDimBlock dims sums over all its visible keys in registers.
+  float* values = tile + D * kKeyTile;  // [width][D]
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile)
+    load_tile(v_cache, table, k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, values + k0 * D, false);
+  for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
+    const int64_t keys = std::min(block_keys(r0), num_keys);
+    const float* p0 = S + r0 * width;
+    for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
+      float a[kRowBlock][kDimBlock] = {};
+      for (int64_t i = 0; i < keys; ++i) {
+        const float* vi = values + i * D + d0;
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+          const float p = p0[rr * width + i];
 #pragma omp simd
-            for (int64_t d = 0; d < kDimBlock; ++d) a[rr][d] += p * vi[d];
-          }
+          for (int64_t d = 0; d < kDimBlock; ++d) a[rr][d] += p * vi[d];
         }
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(a[rr], kDimBlock, acc + (r0 + rr) * D + d0);
       }
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(a[rr], kDimBlock, acc + (r0 + rr) * D + d0);
     }
   }
   for (int64_t t = 0; t < num_tokens; ++t)
