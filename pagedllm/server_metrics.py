@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from pagedllm.dashboard import engine_state
 from pagedllm.engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 
@@ -92,18 +93,17 @@ class ServerMetrics:
         self.refresh_gauges(engine)
 
     def refresh_gauges(self, engine: LLMEngine) -> None:
-        scheduler, kv = engine.scheduler, engine.kv_cache
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_blocks_total.set(kv.num_blocks)
-        self.kv_blocks_used.set(kv.num_used_blocks)
-        self.kv_blocks_free.set(kv.num_free_blocks)
-        pool = getattr(kv, "pool", None)
-        self.kv_blocks_cached.set(pool.num_cached_blocks if pool is not None else 0)
-        queried = scheduler.prefix_cache_queried_tokens
-        self.prefix_hit_rate.set(scheduler.prefix_cache_hit_tokens / queried if queried else 0.0)
-        self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = scheduler.num_preemptions
+        state = engine_state(engine)  # the same figures /stats and the dashboard show
+        kv = state["kv"]
+        self.running.set(state["running"])
+        self.waiting.set(state["waiting"])
+        self.kv_blocks_total.set(kv["num_blocks"])
+        self.kv_blocks_used.set(kv["used_blocks"])
+        self.kv_blocks_free.set(kv["free_blocks"])
+        self.kv_blocks_cached.set(kv["cached_blocks"])
+        self.prefix_hit_rate.set(state["prefix_cache_hit_rate"])
+        self.preemptions.inc(state["preemptions"] - self._preemptions_seen)
+        self._preemptions_seen = state["preemptions"]
 
     def throughput(self, now: float | None = None, bucket_s: float = 1.0) -> list[int]:
         """Tokens generated in each of the last 60 one-second buckets, oldest first."""
