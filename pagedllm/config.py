@@ -39,6 +39,11 @@ class EngineConfig:
     kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
     enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)
     reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
+    # Tensor parallelism (docs/parallel.md): ranks, each holding 1/N of the weights and KV heads;
+    # kv_cache_memory is then the budget of all ranks together.
+    tensor_parallel_size: int = 1
+    # None: spawn the other ranks here; env:// or tcp://HOST:PORT: join ranks a launcher (torchrun) started.
+    distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -52,10 +57,18 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
         if self.reserve not in ("max-model-len", "request"):
             raise ValueError(f"reserve must be max-model-len or request, got {self.reserve!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.distributed_init_method is not None:
+            if self.tensor_parallel_size == 1:
+                raise ValueError("distributed_init_method joins other ranks: it needs tensor_parallel_size > 1")
+            if not self.distributed_init_method.startswith(("env://", "tcp://", "file://")):
+                raise ValueError(
+                    f"distributed_init_method must be env://, tcp://HOST:PORT or file://PATH, "
+                    f"got {self.distributed_init_method!r}"
+                )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,17 +16,19 @@ from pagedllm.beam_search import BeamSearchState
 from pagedllm.config import EngineConfig
 from pagedllm.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.distributed import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.kv_cache_manager import KVCacheManager
 from pagedllm.kv_metrics import KVMemoryTracker
 from pagedllm.linear import resolve_linear_backend
 from pagedllm.model import LlamaModel
-from pagedllm.model_loader import load_weights, resolve_model_path
+from pagedllm.model_loader import ModelConfig, load_weights, resolve_model_path
 from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import FinishReason, Request
 from pagedllm.request_group import RequestGroup, text_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size, shard_hf_weights
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -53,46 +57,97 @@ class EngineStats:
     kv_peak_blocks_used: int = 0
 
 
+@dataclass
+class RankModel:
+    """One rank's slice of the model, loaded, and the KV cache size every rank shares."""
+
+    model: LlamaModel
+    model_config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+    linear_backend: str
+    max_model_len: int
+    num_blocks: int
+    bytes_per_token: int  # KV bytes of one token on this rank (all layers, K and V)
+
+
+def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
+    path = resolve_model_path(config.model)
+    dtype = resolve_dtype(config.dtype)
+    model_config, weights = load_weights(path)
+    check_tensor_parallel_size(model_config, tp.size)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    shard = ShardLayout.for_rank(model_config, tp)
+    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
+    model = LlamaModel(model_config, dtype, max_model_len, attention, tp)
+    linear_backend = resolve_linear_backend(config.linear, dtype)
+    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend)
+    del weights
+
+    c = model_config
+    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
+    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
+    num_blocks = config.kv_cache_memory // (bytes_per_token * tp.size * config.block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
+            f"({bytes_per_token * tp.size * config.block_size} bytes each)"
+        )
+    return RankModel(model, model_config, path, dtype, linear_backend, max_model_len, num_blocks, bytes_per_token)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
+        self.workers: WorkerGroup | None = None
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            if config.distributed_init_method:
+                tp = external_rank(config)
+            if tp.rank != 0:  # a launcher started this process as a worker: serve rank 0's steps, then leave
+                from pagedllm.tp_worker import run_worker
+
+                run_worker(config, tp)
+                raise SystemExit(0)
+            self.workers = WorkerGroup(config)
+            self.workers.start()
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = resolve_model_path(config.model)
-        self.dtype = resolve_dtype(config.dtype)
-        model_config, weights = load_weights(path)
+        try:
+            built = build_rank_model(config, tp)
+            self.runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed)
+            if self.workers is not None:
+                self.workers.connect()
+                atexit.register(self.shutdown)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(send=False)
+            raise
+        model_config, num_blocks = built.model_config, built.num_blocks
+        self.dtype = built.dtype
         self.model_config = model_config
-        self.tokenizer = Tokenizer(path)
+        self.linear_backend = built.linear_backend
+        self.max_model_len = built.max_model_len
+        self.tokenizer = Tokenizer(built.path)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = model_config.eos_token_id
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.rank_memory = gather_rank_memory(
+            tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
+        )
 
-        attention = select_attention(config.attention, model_config.head_dim, model_config.num_heads)
-        model = LlamaModel(model_config, self.dtype, self.max_model_len, attention)
-        self.linear_backend = resolve_linear_backend(config.linear, self.dtype)
-        model.load_hf_weights(weights, self.linear_backend)
-        del weights
-
-        c = model_config
-        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        num_blocks = config.kv_cache_memory // (bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
-                f"({bytes_per_token * config.block_size} bytes each)"
-            )
         if config.kv_layout == "contiguous":
             self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
         else:
             self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, config.seed)
         tokens = num_blocks * config.block_size
+        c = model_config
         logger.info(
             "model %s (%s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
             "max model length %d -> %.2fx concurrency at full length",
-            path.name,
+            built.path.name,
             str(self.dtype).removeprefix("torch."),
             c.num_layers,
             self.linear_backend,
@@ -100,10 +155,20 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             tokens,
-            num_blocks * config.block_size * bytes_per_token / 2**30,
+            tokens * built.bytes_per_token * tp.size / 2**30,
             self.max_model_len,
             tokens / self.max_model_len,
         )
+        if tp.size > 1:
+            for m in self.rank_memory:
+                logger.info(
+                    "tensor parallel rank %d/%d: weights %.1f MiB, KV cache %.1f MiB, process RSS %.1f MiB",
+                    m.rank,
+                    tp.size,
+                    m.weight_bytes / 2**20,
+                    m.kv_cache_bytes / 2**20,
+                    m.rss_bytes / 2**20,
+                )
 
         self.requests: dict[str, Request] = {}  # by sequence id (a request's id when n=1)
         self.groups: dict[str, RequestGroup] = {}  # by request id
@@ -220,8 +285,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, update the requests."""
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
+        result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
         return self._update(scheduled, result)
+
+    def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers is None:
+            return self.runner.execute(scheduled)
+        self.workers.check()
+        try:
+            return self.runner.execute(scheduled)
+        except RuntimeError as error:  # gloo ends a collective whose peer died
+            failure = self.workers.explain(error)
+            self.workers.shutdown(send=False)
+            raise failure from error
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank); the engine runs no more steps after it."""
+        if self.workers is not None:
+            atexit.unregister(self.shutdown)
+            self.workers.shutdown()
 
     def _update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         stats = self.stats

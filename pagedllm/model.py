@@ -13,6 +13,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata, write_kv
 from pagedllm.linear import Linear
 from pagedllm.model_loader import ModelConfig
+from pagedllm.tensor_parallel import ShardLayout, TensorParallel
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -41,21 +42,23 @@ class Rotary:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """One layer, holding this rank's heads and MLP slice (all of them at tensor-parallel size 1)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_size, kv_size = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.input_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
         self.qkv_proj = nn.Parameter(torch.empty(sum(self.split), c.hidden_size, dtype=dtype), requires_grad=False)
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, q_size, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(2 * c.intermediate_size, c.hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, dtype=dtype), requires_grad=False)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, c.hidden_size, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, inter, dtype=dtype), requires_grad=False)
         self.linears: dict[str, Linear] = {}
 
     def prepare_linears(self, backend: str) -> None:
@@ -81,27 +84,39 @@ class DecoderLayer(nn.Module):
         q = rotary.apply(q.view(-1, self.num_heads, self.head_dim), positions)
         k = rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), positions)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        x = x + linears["o_proj"](attention(q, kv_cache, meta))
+        # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
+        x = x + self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta)))
 
         h = rms_norm(x, self.post_norm, self.eps)
         gate, up = linears["gate_up_proj"](h).chunk(2, dim=-1)
-        return x + linears["down_proj"](F.silu(gate) * up)
+        return x + self.tp.all_reduce(linears["down_proj"](F.silu(gate) * up))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_len: int, attention: AttentionFn) -> None:
+    """The model, or with `tp` one rank's slice of it (see pagedllm/tensor_parallel.py);
+    load it with `load_hf_weights` after `shard_hf_weights`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_len: int,
+        attention: AttentionFn,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.attention = attention
-        self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.shard = shard = ShardLayout.for_rank(config, tp)
+        vocab_rows = shard.vocab_shard
+        self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, shard, tp) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+            else nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
         self.lm_head_linear: Linear | None = None
@@ -139,11 +154,33 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta, self.rotary, self.attention)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: look up the ids this rank holds, zeros for the rest, then sum over ranks.
+        local = input_ids - self.shard.vocab_start
+        held = (local >= 0) & (local < self.shard.vocab_shard)
+        x = F.embedding(local.clamp(0, self.shard.vocab_shard - 1), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(1), 0))
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_linear(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab]; under tensor parallelism every rank must call this, and
+        only rank 0 gets the logits (the others get None)."""
+        logits = self.tp.gather_columns(self.lm_head_linear(hidden).float())
+        return None if logits is None else logits[:, : self.config.vocab_size]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this rank holds (packed copies included, the LM head once when tied)."""
+        linears = [linear for layer in self.layers for linear in layer.linears.values()]
+        if self.lm_head_linear is not None:
+            linears.append(self.lm_head_linear)
+        tensors = [p.data for p in self.parameters()] + [linear.weight for linear in linears]
+        # A plain Linear shares its parameter's storage; a packed (oneDNN) weight is a copy of its own.
+        distinct = {id(t) if t.is_mkldnn else t.data_ptr(): t for t in tensors if t.numel()}
+        return sum(t.numel() * t.element_size() for t in distinct.values())

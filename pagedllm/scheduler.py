@@ -36,6 +36,11 @@ class ScheduledRequest:
     def token_ids(self) -> list[int]:
         return self.request.token_ids[self.start : self.start + self.num_new_tokens]
 
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled from this chunk's last position: the request's and its forks'."""
+        return 1 + len(self.forks) if self.samples else 0
+
 
 @dataclass
 class SchedulerOutput:

@@ -6,7 +6,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.request import Request
-from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.scheduler import ScheduledRequest
 
 
 @torch.inference_mode()
@@ -36,7 +36,7 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     try:
         request = Request(request_id, ids, SamplingParams())
         chunk = ScheduledRequest(request, 0, len(ids), kv.block_table(request_id), True)
-        step = engine.runner.prepare(SchedulerOutput([chunk]))
+        step = engine.runner.prepare([chunk])
         model = engine.runner.model
         hidden = model(step.input_ids, step.positions, engine.runner.kv_caches, step.meta)
         return model.compute_logits(hidden)
