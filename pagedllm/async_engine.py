@@ -122,6 +122,8 @@ class AsyncLLMEngine:
         self._commands.put(_Command(lambda engine: None, lambda result, error: None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # tensor-parallel workers, once the engine thread is done with them
 
     @property
     def is_running(self) -> bool:

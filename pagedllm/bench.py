@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -53,8 +54,8 @@ def load_workload(path: str | Path, num_requests: int | None = None) -> list[dic
 
 
 def run_bench(config: EngineConfig, requests: list[dict], ignore_eos: bool = True) -> dict:
-    engine = LLMEngine(config)
-    return run_on_engine(engine, requests, ignore_eos)
+    with LLMEngine(config) as engine:
+        return run_on_engine(engine, requests, ignore_eos)
 
 
 def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = True, desc: str = "bench") -> dict:
@@ -80,6 +81,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
     evictions_before = pool.num_evictions if pool is not None else None
     engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
     engine.memory.reset(engine.scheduler)
+    message_bytes_before = engine.runner.step_message_bytes
     output_tokens = 0
     ttfts = []
     with tqdm(total=len(requests), desc=desc, unit="req") as bar:
@@ -112,6 +114,9 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "kv_layout": engine.config.kv_layout,
         **({"reserve": engine.config.reserve} if engine.config.kv_layout == "contiguous" else {}),
         "max_model_len": engine.max_model_len,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "step_message_bytes": engine.runner.step_message_bytes - message_bytes_before,
+        "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
         **prefix_cache_stats(engine, prefix_before, evictions_before),
         **engine.memory.summary(engine.scheduler),
     }

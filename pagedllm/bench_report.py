@@ -88,9 +88,9 @@ def run_compare(
     results: dict[str, dict] = {}
     series: dict[str, list[dict]] = {}
     for setting, config in zip(settings, configs):
-        engine = LLMEngine(config)
-        results[setting.name] = run_on_engine(engine, requests, ignore_eos, desc=setting.name)
-        series[setting.name] = engine.memory.rows()
+        with LLMEngine(config) as engine:
+            results[setting.name] = run_on_engine(engine, requests, ignore_eos, desc=setting.name)
+            series[setting.name] = engine.memory.rows()
         del engine
         gc.collect()
         write_series(report / f"series-{setting.name}.csv", series[setting.name])

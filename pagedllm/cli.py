@@ -52,7 +52,18 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         choices=["auto", "onednn", "torch"],
         help="GEMM backend of the projections: oneDNN with packed weights where it runs (auto), or F.linear",
     )
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to split the model over (docs/parallel.md); spawns N-1 workers unless --distributed-init-method",
+    )
+    g.add_argument(
+        "--distributed-init-method",
+        default=None,
+        help="join ranks started by a launcher: env:// (torchrun) or tcp://HOST:PORT",
+    )
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (per rank)")
     g.add_argument("--log-level", default="INFO")
 
 
@@ -83,6 +94,8 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         attention=args.attention,
         linear=args.linear,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method,
     )
 
 
@@ -202,7 +215,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         "; API key required" if settings.api_key else "",
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log)
+    log_level = args.log_level.lower()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=args.access_log)
+    )
+    workers = engine.engine.workers
+    if workers is not None:  # a dead tensor-parallel rank ends the server rather than leaving it half alive
+        workers.on_failure.append(lambda error: setattr(server, "should_exit", True))
+    server.run()
+    if workers is not None and workers.failure is not None:
+        print(f"pagedllm: error: {workers.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -305,6 +305,12 @@ class LLMEngine:
             atexit.unregister(self.shutdown)
             self.workers.shutdown()
 
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def _update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         stats = self.stats
         stats.steps += 1

@@ -25,6 +25,16 @@ class LLM:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
