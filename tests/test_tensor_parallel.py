@@ -1,0 +1,285 @@
+"""Tensor parallelism on gloo: ranks are real processes; the outputs must be TP=1's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from hf_reference import greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed import WorkerDiedError
+from pagedllm.model_loader import ModelConfig
+from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size
+
+TINY_ARGS = dict(dtype="float32", block_size=8, kv_cache_memory="4MiB", max_model_len=256)
+
+
+def llama_config(heads: int, kv_heads: int, inter: int = 1536) -> ModelConfig:
+    return ModelConfig(49152, 576, inter, 2, heads, kv_heads, 64, 1e4, 1e-5, 2048, True)
+
+
+def test_shard_layout_splits_heads_mlp_and_vocab():
+    config = llama_config(9, 3)
+    layouts = [ShardLayout.for_rank(config, TensorParallel(r, 3)) for r in range(3)]
+    assert [(s.head_start, s.num_heads, s.kv_head_start, s.num_kv_heads) for s in layouts] == [
+        (0, 3, 0, 1),
+        (3, 3, 1, 1),
+        (6, 3, 2, 1),
+    ]
+    assert [(s.intermediate_start, s.intermediate_size) for s in layouts] == [(0, 512), (512, 512), (1024, 512)]
+    assert [(s.vocab_start, s.vocab_shard) for s in layouts] == [(0, 16384), (16384, 16384), (32768, 16384)]
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head():
+    config = llama_config(8, 2)
+    layouts = [ShardLayout.for_rank(config, TensorParallel(r, 4)) for r in range(4)]
+    # Query heads 0-3 read KV head 0, heads 4-7 KV head 1 (group size 4): each rank keeps its pair's head.
+    assert [(s.head_start, s.num_heads, s.kv_head_start, s.num_kv_heads) for s in layouts] == [
+        (0, 2, 0, 1),
+        (2, 2, 0, 1),
+        (4, 2, 1, 1),
+        (6, 2, 1, 1),
+    ]
+
+
+def test_sizes_that_cannot_split_are_clear_errors():
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        check_tensor_parallel_size(llama_config(9, 3), 2)
+    with pytest.raises(ValueError, match="must divide the model's 4 KV heads or be a multiple"):
+        check_tensor_parallel_size(llama_config(12, 4), 6)
+    with pytest.raises(ValueError, match="MLP width 1001"):
+        check_tensor_parallel_size(llama_config(8, 4, inter=1001), 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        LLM(dtype="float32", tensor_parallel_size=2)  # SmolLM2: refused before any worker starts
+    with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
+        LLM(distributed_init_method="env://")
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    """A random llama with 8 query and 4 KV heads, untied LM head, as an HF checkpoint directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.model_loader import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-4kv")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        initializer_range=0.2,  # wide logit gaps: rounding differences cannot flip a greedy choice
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    Tokenizer(default_model_path()).hf.save_pretrained(path)
+    return str(path)
+
+
+def run_recording_logits(llm: LLM, prompts, params) -> tuple[list, list[torch.Tensor]]:
+    """Generate, keeping the logits rank 0 samples from at every step."""
+    runner = llm.engine.runner
+    sampler = runner.sampler
+    seen: list[torch.Tensor] = []
+
+    def recording(logits, *args):
+        seen.append(logits.clone())
+        return sampler(logits, *args)
+
+    runner.sampler = recording
+    try:
+        return llm.generate(prompts, params), seen
+    finally:
+        runner.sampler = sampler
+
+
+def prompts_of(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny4_reference(tiny4):
+    prompts = prompts_of((5, 17, 40, 9))
+    with LLM(tiny4, **TINY_ARGS) as llm:
+        outputs, logits = run_recording_logits(llm, prompts, greedy(20))
+    return prompts, outputs, logits
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tiny_llama_tp_matches_one_rank(tiny4, tiny4_reference, size):
+    """TP=2 splits the 4 KV heads two per rank, TP=4 one per rank: same tokens, logits within 1e-4."""
+    prompts, expected, expected_logits = tiny4_reference
+    with LLM(tiny4, tensor_parallel_size=size, **TINY_ARGS) as llm:
+        memory = llm.engine.rank_memory
+        outputs, logits = run_recording_logits(llm, prompts, greedy(20))
+        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+        assert llm.engine.runner.step_message_bytes > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert len(logits) == len(expected_logits)
+    for ours, reference in zip(logits, expected_logits):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    # Every rank holds 1/size of the KV cache and the same block count, so the KV bytes split evenly.
+    assert [m.rank for m in memory] == list(range(size))
+    assert len({m.kv_cache_bytes for m in memory}) == 1 and len({m.weight_bytes for m in memory}) == 1
+
+
+def test_tp_weights_and_kv_shrink_with_the_rank_count(tiny4):
+    with LLM(tiny4, **TINY_ARGS, linear="torch") as one:
+        (whole,) = one.engine.rank_memory
+    with LLM(tiny4, tensor_parallel_size=2, **TINY_ARGS, linear="torch") as two:
+        half = two.engine.rank_memory[1]
+    assert half.kv_cache_bytes * 2 == whole.kv_cache_bytes
+    # Everything splits but the two norms per layer and the final norm (replicated, 5 x 128 floats).
+    assert half.weight_bytes * 2 == whole.weight_bytes + 5 * 128 * 4
+
+
+def test_smollm2_tp3_greedy_matches_one_rank(make_llm):
+    """The real model (9 heads, 3 KV heads): one KV head per rank; float32 greedy tokens identical."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    expected = make_llm().generate(prompts, greedy(24))
+    with LLM(dtype="float32", tensor_parallel_size=3) as llm:
+        outputs = llm.generate(prompts, greedy(24))
+        weights = [m.weight_bytes for m in llm.engine.rank_memory]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.text for o in outputs] == [o.text for o in expected]
+    assert len(set(weights)) == 1
+
+
+def test_prefix_caching_forks_and_beam_search_under_tp(tiny4):
+    """Prefix-cache hits, n>1 forks with copy-on-write, and beam search all drive every rank's
+    tables through the increments; each gives what one rank gives."""
+    stem = prompts_of((24,), seed=3)[0]
+    prompts = [stem + [7, 8, 9], stem + [10, 11]]
+    sampled = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
+
+    def run(llm: LLM):
+        first = llm.generate(prompts[:1], greedy(10))
+        second = llm.generate(prompts[1:], sampled)
+        beams = llm.beam_search([prompts[0]], beam_width=3, max_tokens=8)
+        scheduler = llm.engine.scheduler
+        stats = (scheduler.prefix_cache_hit_tokens, scheduler.num_forks, scheduler.num_cow_copies)
+        kv = llm.engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks
+        tokens = [[c.token_ids for c in o.outputs] for o in (*first, *second, *beams)]
+        return tokens, stats
+
+    with LLM(tiny4, **TINY_ARGS) as llm:
+        expected, expected_stats = run(llm)
+    with LLM(tiny4, tensor_parallel_size=2, **TINY_ARGS) as llm:
+        tokens, stats = run(llm)
+    assert tokens == expected
+    assert stats == expected_stats
+    hits, forks, copies = stats
+    assert hits >= 24 and forks > 0 and copies > 0
+
+
+def test_killing_a_worker_ends_the_engine_with_a_clear_error(tiny4):
+    with LLM(tiny4, tensor_parallel_size=2, **TINY_ARGS) as llm:
+        workers = llm.engine.workers
+        worker = workers.processes[1]
+        llm.generate(prompts_of((8,)), greedy(4))  # running
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            time.sleep(0.5)
+            killed_at.append(time.monotonic())
+            worker.send_signal(signal.SIGKILL)
+
+        threading.Thread(target=kill).start()
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        with pytest.raises(WorkerDiedError, match="rank 1 killed by signal 9"):
+            llm.generate(prompts_of((8, 9, 10, 11)) * 4, params)
+        assert time.monotonic() - killed_at[0] < 10
+        # The engine stays dead, saying why, and nothing it started is left running.
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.generate(prompts_of((8,)), greedy(2))
+        assert all(p.poll() is not None for p in workers.processes.values())
+
+
+ORPHAN_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pagedllm import LLM
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
+    print(*(p.pid for p in llm.engine.workers.processes.values()), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waits for a reaper but runs nothing
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_killed_engine_leaves_no_worker_behind(tiny4):
+    engine = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, tiny4], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in engine.stdout.readline().split()]
+        assert pids and all(pid_alive(p) for p in pids)
+        engine.kill()
+        engine.wait()
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids)
+    finally:
+        engine.kill()
+
+
+def test_torchrun_launch_with_env_init(tiny4, tiny4_reference, tmp_path):
+    """Ranks started by torchrun join through env://; rank 0 prints, the worker rank exits cleanly."""
+    prompt, expected = tiny4_reference[0][0], tiny4_reference[1][0]
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pagedllm import LLM, SamplingParams
+        llm = LLM({tiny4!r}, tensor_parallel_size=2, distributed_init_method="env://", dtype="float32",
+                  block_size=8, kv_cache_memory="4MiB", max_model_len=256)
+        out = llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        print("TOKENS", out[0].token_ids, flush=True)
+        llm.shutdown()
+        """
+    )
+    (tmp_path / "run.py").write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "run.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
+    assert lines == [f"TOKENS {expected.token_ids}"]
