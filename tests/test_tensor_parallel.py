@@ -283,3 +283,29 @@ def test_torchrun_launch_with_env_init(tiny4, tiny4_reference, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
     assert lines == [f"TOKENS {expected.token_ids}"]
+
+
+def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
+    """`pagedllm serve --tensor-parallel-size 2` answers the openai client; killing its worker makes
+    the server exit with an error that names the rank, leaving no process behind."""
+    from openai import OpenAI
+    from server_helpers import free_port, wait_healthy
+
+    port = free_port()
+    command = [sys.executable, "-m", "pagedllm", "serve", "--model", tiny4, "--port", str(port)]
+    command += ["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "4MiB"]
+    command += ["--max-model-len", "256", "--log-level", "WARNING"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 180, server)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        completion = client.completions.create(model=os.path.basename(tiny4), prompt="Hello", max_tokens=5)
+        assert completion.usage.completion_tokens == 5
+        with open(f"/proc/{server.pid}/task/{server.pid}/children") as f:
+            (worker,) = [int(pid) for pid in f.read().split()]
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = server.communicate(timeout=20)
+        assert server.returncode == 1
+        assert "tensor-parallel worker rank 1 killed by signal 9" in stderr
+    finally:
+        server.kill()
