@@ -214,6 +214,33 @@ def test_killing_a_worker_ends_the_engine_with_a_clear_error(tiny4):
         assert all(p.poll() is not None for p in workers.processes.values())
 
 
+def starting_group(command: list[str]):
+    """A WorkerGroup waiting for a rank 1 that runs `command` instead of a real worker."""
+    import torch.distributed as dist
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.distributed import WorkerGroup
+
+    group = WorkerGroup(EngineConfig(tensor_parallel_size=2))
+    group._store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    group.processes[1] = subprocess.Popen(command)
+    return group
+
+
+def test_a_worker_that_fails_to_start_is_named_not_waited_on():
+    group = starting_group([sys.executable, "-c", "import time; time.sleep(60)"])
+    group._store.set("error/1", "ValueError: no such model")  # what tp_worker posts when building fails
+    with pytest.raises(WorkerDiedError, match="rank 1 failed to start: ValueError: no such model"):
+        group.connect()
+    assert group.processes[1].poll() is not None  # terminated, not left running
+
+    group = starting_group([sys.executable, "-c", "raise SystemExit(3)"])
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 exited with code 3 while starting"):
+        group.connect()
+    assert time.monotonic() - started < 10
+
+
 ORPHAN_SCRIPT = textwrap.dedent(
     """
     import sys, time
