@@ -228,7 +228,7 @@ class WorkerGroup:
             if not self.processes:
                 break
             time.sleep(0.05)
-        return self._record(WorkerDiedError(f"a tensor-parallel collective failed: {error}"))
+        return self._record(WorkerDiedError(f"a tensor-parallel step failed on rank 0: {error}"))
 
     # --- stop --------------------------------------------------------------------------
 
