@@ -7,6 +7,7 @@ block tables and the counters are one consistent picture.  The page itself
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 
 from pagedllm.engine import LLMEngine
@@ -35,6 +36,10 @@ def engine_state(engine: LLMEngine) -> dict:
         "prefix_cache_hit_rate": scheduler.prefix_cache_hit_tokens / queried if queried else 0.0,
         "forks": scheduler.num_forks,
         "cow_copies": scheduler.num_cow_copies,
+        # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
+        "step_message_bytes": engine.runner.step_message_bytes,
     }
 
 

@@ -148,12 +148,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: only llama GGUF models are supported, got architecture {arch!r}")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    config = _gguf_config(reader, path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -163,27 +158,36 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             index, _, rest = rest.partition(".")
             kind = rest.removesuffix(".weight")
             if kind == "attn_q":
-                array = _unpermute_rope(array, heads)
+                array = _unpermute_rope(array, config.num_heads)
             elif kind == "attn_k":
-                array = _unpermute_rope(array, kv_heads)
+                array = _unpermute_rope(array, config.num_kv_heads)
             name = f"layers.{index}.{_GGUF_LAYER_NAMES[kind]}.weight"
         else:
             name = f"{_GGUF_TOP_NAMES[prefix]}.weight"
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
-    vocab = weights["embed_tokens.weight"].shape[0]
-    config = ModelConfig(
-        vocab_size=vocab,
+    return config, weights
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """The model's shape from a GGUF header (no tensor is read)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: only llama GGUF models are supported, got architecture {arch!r}")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    names = {t.name: t for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=int(names["token_embd.weight"].shape[-1]),  # GGUF lists the innermost dimension first
         hidden_size=hidden,
         intermediate_size=int(_field(reader, "llama.feed_forward_length")),
         num_layers=int(_field(reader, "llama.block_count")),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
         rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        tie_word_embeddings="lm_head.weight" not in weights,
+        tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
-    return config, weights

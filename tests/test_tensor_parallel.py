@@ -315,6 +315,7 @@ def test_torchrun_launch_with_env_init(tiny4, tiny4_reference, tmp_path):
 def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
     """`pagedllm serve --tensor-parallel-size 2` answers the openai client; killing its worker makes
     the server exit with an error that names the rank, leaving no process behind."""
+    import httpx
     from openai import OpenAI
     from server_helpers import free_port, wait_healthy
 
@@ -328,6 +329,9 @@ def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         completion = client.completions.create(model=os.path.basename(tiny4), prompt="Hello", max_tokens=5)
         assert completion.usage.completion_tokens == 5
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=30).json()
+        assert stats["tensor_parallel_size"] == 2 and [m["rank"] for m in stats["rank_memory"]] == [0, 1]
+        assert stats["step_message_bytes"] > 0
         with open(f"/proc/{server.pid}/task/{server.pid}/children") as f:
             (worker,) = [int(pid) for pid in f.read().split()]
         os.kill(worker, signal.SIGKILL)
