@@ -221,7 +221,8 @@ class WorkerGroup:
         """The error to raise for a failed collective: which rank died, when one did."""
         deadline = time.monotonic() + 3.0  # the dead process may not have been reaped yet
         while time.monotonic() < deadline:
-            dead = {r: p.poll() for r, p in self.processes.items() if p.poll() is not None}
+            codes = {r: p.poll() for r, p in self.processes.items()}
+            dead = {r: code for r, code in codes.items() if code is not None}
             if dead:
                 ranks = ", ".join(f"rank {r} {describe_exit(code)}" for r, code in sorted(dead.items()))
                 return self._record(WorkerDiedError(f"tensor-parallel worker {ranks}"))

@@ -60,8 +60,9 @@ class EngineStats:
 
 
 def return_freed_memory() -> None:
-    """Give the checkpoint's freed pages back to the OS (glibc keeps them otherwise): a rank that
-    dequantized the whole GGUF to keep a third of it measured 1019 MiB RSS before, 462 after."""
+    """Give the checkpoint's freed pages back to the OS (glibc keeps them otherwise): SmolLM2's
+    ranks at tensor-parallel size 3, which dequantize the whole GGUF to keep a third of it,
+    measured 1011-1044 MiB RSS before, 463-551 after (benchmarks/tensor_parallel.py)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

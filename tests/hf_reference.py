@@ -44,5 +44,20 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         kv.free(request_id)
 
 
+def save_random_llama(path, **config) -> torch.nn.Module:
+    """A random-weight llama (seed 0) with the SmolLM2 tokenizer, saved as a Hugging Face
+    checkpoint directory at `path`; `config` are LlamaConfig fields.  Returns the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm.model_loader import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, eos_token_id=2, bos_token_id=1, **config)).eval()
+    model.save_pretrained(path)
+    Tokenizer(default_model_path()).hf.save_pretrained(path)
+    return model
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

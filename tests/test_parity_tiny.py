@@ -3,22 +3,16 @@ loads through the HF-directory path and decodes exactly like transformers."""
 
 import pytest
 import torch
-from hf_reference import greedy, hf_greedy, hf_logits, our_logits
+from hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_llama
 
 from pagedllm import LLM
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedllm.model_loader import default_model_path
-    from pagedllm.tokenizer import Tokenizer
-
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
+    model = save_random_llama(
+        path,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -27,17 +21,12 @@ def tiny_checkpoint(tmp_path_factory):
         max_position_embeddings=512,
         rope_theta=5000.0,
         tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
         # Weights 10x the default scale: top-2 logit gaps ~1e-2 rather than ~1e-4, so
         # float rounding between batched and single runs cannot flip a greedy argmax.
         # (head_dim 16 runs the pure-torch decode path; a NaN in a never-written cache
         # slot once leaked through it here, see test_attention's slot test.)
         initializer_range=0.2,
     )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    Tokenizer(default_model_path()).hf.save_pretrained(path)
     return path, model
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from hf_reference import greedy
+from hf_reference import greedy, save_random_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed import WorkerDiedError
@@ -68,15 +68,9 @@ def test_sizes_that_cannot_split_are_clear_errors():
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
     """A random llama with 8 query and 4 KV heads, untied LM head, as an HF checkpoint directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedllm.model_loader import default_model_path
-    from pagedllm.tokenizer import Tokenizer
-
     path = tmp_path_factory.mktemp("tiny-llama-4kv")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
+    save_random_llama(
+        path,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -84,12 +78,8 @@ def tiny4(tmp_path_factory):
         num_key_value_heads=4,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
         initializer_range=0.2,  # wide logit gaps: rounding differences cannot flip a greedy choice
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    Tokenizer(default_model_path()).hf.save_pretrained(path)
     return str(path)
 
 
