@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.distributed import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
+from pagedllm.fused_ops import select_ops
 from pagedllm.kv_cache_manager import KVCacheManager
 from pagedllm.kv_metrics import KVMemoryTracker
 from pagedllm.linear import resolve_linear_backend
@@ -92,7 +93,9 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     shard = ShardLayout.for_rank(model_config, tp)
     attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
-    model = LlamaModel(model_config, dtype, max_model_len, attention, tp)
+    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
+    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
+    model = LlamaModel(model_config, dtype, max_model_len, attention, tp, ops)
     linear_backend = resolve_linear_backend(config.linear, dtype)
     model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend)
     del weights

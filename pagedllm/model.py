@@ -10,35 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata, write_kv
+from pagedllm.attention import AttentionMetadata
+from pagedllm.fused_ops import LayerOps, Rotary, TorchOps
 from pagedllm.linear import Linear
 from pagedllm.model_loader import ModelConfig
 from pagedllm.tensor_parallel import ShardLayout, TensorParallel
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-class Rotary:
-    """cos/sin tables for every position up to the model's length, built once."""
-
-    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [tokens, heads, head_dim], rotating the two halves of head_dim (HF order)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -71,25 +49,25 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rotary: Rotary,
         attention: AttentionFn,
+        ops: LayerOps,
     ) -> torch.Tensor:
+        """Adds the previous layer's output `delta` to the residual stream (in place) and returns
+        this layer's output, to be added by the next layer (or the final norm)."""
         linears = self.linears
-        h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = linears["qkv_proj"](h).split(self.split, dim=-1)
-        q = rotary.apply(q.view(-1, self.num_heads, self.head_dim), positions)
-        k = rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), positions)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        h = ops.add_rms_norm(delta, residual, self.input_norm, self.eps)
+        q = ops.rope_write_kv(linears["qkv_proj"](h), positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
-        x = x + self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta)))
+        attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta)))
 
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = linears["gate_up_proj"](h).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(linears["down_proj"](F.silu(gate) * up))
+        h = ops.add_rms_norm(attn, residual, self.post_norm, self.eps)
+        return self.tp.all_reduce(linears["down_proj"](ops.silu_mul(linears["gate_up_proj"](h))))
 
 
 class LlamaModel(nn.Module):
@@ -103,10 +81,12 @@ class LlamaModel(nn.Module):
         max_len: int,
         attention: AttentionFn,
         tp: TensorParallel | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.attention = attention
+        self.ops = ops or TorchOps()
         self.tp = tp = tp or TensorParallel()
         self.shard = shard = ShardLayout.for_rank(config, tp)
         vocab_rows = shard.vocab_shard
@@ -154,10 +134,10 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
+        residual, delta = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, self.rotary, self.attention)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            delta = layer(delta, residual, positions, kv_cache, meta, self.rotary, self.attention, self.ops)
+        return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -1,0 +1,106 @@
+// Fused elementwise work of a llama layer, each one pass over its rows instead of
+// the 5-12 separate torch ops (and temporaries) it replaces:
+//   add_rms_norm:   residual += delta; out = weight * rms_norm(residual)
+//   rope_write_kv:  rotary embedding of q and k from the fused QKV output, k and v
+//                   written into the paged cache at their slots, q to its own buffer
+//   silu_mul:       out = silu(gate) * up from the fused gate/up output
+// Rounding follows the model's dtype where Hugging Face's llama rounds (the residual
+// sum, the normalized row before the weight, silu before the product), so bfloat16
+// results match its numerics to the last bit except for the rotary products, which
+// are computed in float32 and rounded once.
+#include <omp.h>
+
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+// Small steps (a single decode) are not worth waking the other threads for.
+constexpr int64_t kParallelElements = 1 << 15;
+
+template <typename T>
+void add_rms_norm(const T* delta, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel for if (rows * hidden >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* res = residual + r * hidden;
+    if (delta != nullptr) {
+      const T* d = delta + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) res[i] = from_float<T>(to_float(res[i]) + to_float(d[i]));
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; ++i) sum += to_float(res[i]) * to_float(res[i]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+    T* o = out + r * hidden;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(res[i]) * inv));
+  }
+}
+
+// Rotates one head (the two halves of head_dim, Hugging Face's order) into dst.
+template <typename T>
+inline void rotate(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
+    dst[i] = from_float<T>(x1 * cos[i] - x2 * sin[i]);
+    dst[i + half] = from_float<T>(x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+void rope_write_kv(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, const int64_t* slots,
+                   const float* cos_table, const float* sin_table, int64_t tokens, int64_t heads, int64_t kv_heads,
+                   int64_t head_dim) {
+  const int64_t half = head_dim / 2, q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const int64_t row = q_size + 2 * kv_size;
+#pragma omp parallel for if (tokens * row >= kParallelElements)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* src = qkv + t * row;
+    const float* cos = cos_table + positions[t] * half;
+    const float* sin = sin_table + positions[t] * half;
+    for (int64_t h = 0; h < heads; ++h) rotate(src + h * head_dim, q_out + t * q_size + h * head_dim, cos, sin, half);
+    T* k_dst = k_cache + slots[t] * kv_size;
+    for (int64_t h = 0; h < kv_heads; ++h) rotate(src + q_size + h * head_dim, k_dst + h * head_dim, cos, sin, half);
+    std::memcpy(v_cache + slots[t] * kv_size, src + q_size + kv_size, kv_size * sizeof(T));
+  }
+}
+
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* o = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      o[i] = from_float<T>(round_to<T>(g / (1.f + fast_exp(-g))) * to_float(up[i]));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+using pagedllm::bf16;
+
+#define PAGEDLLM_ELEMENTWISE(SUFFIX, T)                                                                             \
+  PAGEDLLM_API void add_rms_norm_##SUFFIX(const T* delta, T* residual, const T* weight, T* out, int64_t rows,        \
+                                          int64_t hidden, float eps) {                                             \
+    pagedllm::add_rms_norm<T>(delta, residual, weight, out, rows, hidden, eps);                                    \
+  }                                                                                                                \
+  PAGEDLLM_API void rope_write_kv_##SUFFIX(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, \
+                                           const int64_t* slots, const float* cos, const float* sin, int64_t tokens, \
+                                           int64_t heads, int64_t kv_heads, int64_t head_dim) {                     \
+    pagedllm::rope_write_kv<T>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads, kv_heads,    \
+                               head_dim);                                                                          \
+  }                                                                                                                \
+  PAGEDLLM_API void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                      \
+    pagedllm::silu_mul<T>(gate_up, out, rows, width);                                                              \
+  }
+
+PAGEDLLM_ELEMENTWISE(f32, float)
+PAGEDLLM_ELEMENTWISE(bf16, bf16)

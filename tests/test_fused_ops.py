@@ -1,0 +1,80 @@
+"""The fused C++ elementwise ops against the same math in separate torch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.cpu_kernels import load_cpu_kernels
+from pagedllm.fused_ops import CppOps, Rotary, TorchOps, select_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def cpp() -> CppOps:
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the C++ kernels should build on this machine (g++)"
+    return CppOps(kernels)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: only summation order differs; bfloat16: a last-bit rounding difference at most.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the threshold where threads join
+def test_add_rms_norm(cpp: CppOps, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    res_cpp, res_torch = residual.clone(), residual.clone()
+    out_cpp = cpp.add_rms_norm(delta, res_cpp, weight, 1e-5)
+    out_torch = TorchOps().add_rms_norm(delta, res_torch, weight, 1e-5)
+    assert torch.equal(res_cpp, res_torch), "the residual sum is rounded exactly as torch rounds it"
+    close(out_cpp, out_torch, dtype)
+    # Without a delta the residual is left as it is.
+    close(cpp.add_rms_norm(None, res_cpp, weight, 1e-5), out_torch, dtype)
+    assert torch.equal(res_cpp, res_torch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (2, 2, 8)])
+def test_rope_write_kv(cpp: CppOps, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    tokens, num_blocks, block_size = 37, 12, 4
+    rotary = Rotary(head_dim, 10000.0, 512, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    caches = [torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in "ab"]
+    q_cpp = cpp.rope_write_kv(qkv, positions, rotary, caches[0], slots, heads)
+    q_torch = TorchOps().rope_write_kv(qkv, positions, rotary, caches[1], slots, heads)
+    close(q_cpp, q_torch, dtype)
+    flat = [c.view(2, -1, kv_heads, head_dim) for c in caches]
+    close(flat[0][:, slots], flat[1][:, slots], dtype)
+    assert torch.equal(flat[0][1, slots], flat[1][1, slots]), "v is copied, not computed"
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[0][:, untouched].isnan().all(), "only the given slots are written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_mul(cpp: CppOps, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 6).to(dtype)  # SiLU's tails included
+    close(cpp.silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype)
+
+
+def test_select_ops() -> None:
+    assert select_ops("torch", torch.float32).name == "torch"
+    assert select_ops("auto", torch.float16).name == "torch"  # the C++ ops run float32 and bfloat16 only
+    assert select_ops("auto", torch.bfloat16).name == "cpp"
+    with pytest.raises(ValueError, match="ops must be"):
+        select_ops("fast", torch.float32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        select_ops("cpp", torch.float16)
