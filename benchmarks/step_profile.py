@@ -4,7 +4,10 @@
 
 For each batch size: that many requests with random prompts of `--context`
 tokens are prefilled, then `--steps` decode steps are timed piece by piece
-(wrapping the engine's own methods, nothing else changed):
+(wrapping the engine's own methods, nothing else changed).  Every timed step
+is checked to decode exactly `batch` requests (one token each), or the run
+stops with an error: the requests' `max_tokens` reaches past the prefill and
+the timed steps, and they are aborted afterwards.
 
 - model math: the forward pass (of which attention is reported apart), the LM
   head on the sampled rows, and the sampler;
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.cpu_kernels import cpu_summary
 from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,11 +46,13 @@ def timed(totals: dict[str, float], name: str, fn):
 def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params, f"p{seed}-{i}")
+    # Long enough that nobody finishes during the prefill steps (up to batch of them) or the timed ones.
+    params = SamplingParams(temperature=0.0, max_tokens=batch + steps + 8, ignore_eos=True)
+    ids = [f"p{seed}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params, request_id)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()  # prefill (and the first decode) untimed
+        engine.step()  # prefill (and the first decodes) untimed
 
     totals: dict[str, float] = defaultdict(float)
     runner, model = engine.runner, engine.runner.model
@@ -63,6 +69,18 @@ def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) 
     originals = [getattr(obj, attr) for obj, attr, _ in patches]
     for obj, attr, name in patches:
         setattr(obj, attr, timed(totals, name, getattr(obj, attr)))
+    schedule = engine.scheduler.schedule
+
+    def checked_schedule():
+        output = schedule()
+        tokens = [s.num_new_tokens for s in output.scheduled]
+        if len(tokens) != batch or set(tokens) != {1}:
+            raise RuntimeError(
+                f"a timed step ran {len(tokens)} requests, {sum(tokens)} tokens, not a decode of {batch}"
+            )
+        return output
+
+    engine.scheduler.schedule = checked_schedule
     try:
         start = time.perf_counter()
         for _ in range(steps):
@@ -71,7 +89,8 @@ def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) 
     finally:
         for (obj, attr, _), original in zip(patches, originals):
             setattr(obj, attr, original)
-    engine.wait_all()
+    for request_id in ids:
+        engine.abort_request(request_id)
 
     math = totals["forward"] + totals["lm_head"] + totals["sampler"]
     overhead = wall - math
@@ -96,6 +115,7 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
+    print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}")
     results = []
     for seed, batch in enumerate(args.batch):
         result = profile(engine, batch, args.context, args.steps, seed)
@@ -103,7 +123,8 @@ def main() -> None:
         results.append(result)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"dtype": str(engine.dtype), "results": results}, indent=2) + "\n")
+        summary = {"dtype": str(engine.dtype), "cpu": cpu_summary(), "results": results}
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

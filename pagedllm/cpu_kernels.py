@@ -57,6 +57,22 @@ def cpu_flags() -> str:
         return ""
 
 
+def cpu_summary() -> str:
+    """The CPU's model name, core count and the SIMD flags that decide the kernels' paths and the
+    speed of bfloat16, e.g. 'AMD EPYC, 2 cores, avx2 avx512f avx512_bf16'; benchmarks print it
+    beside every figure."""
+    flags = set(cpu_flags().split())
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert")
+    shown = " ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+    return f"{model}, {os.cpu_count()} cores, {shown}"
+
+
 def _compiler_version() -> str:
     try:
         return subprocess.run([_COMPILER, "--version"], capture_output=True, text=True, check=True).stdout
