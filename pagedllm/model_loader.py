@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("pagedllm")
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -64,6 +67,7 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    logger.info("loading weights from %s", path)
     if path.suffix == ".gguf":
         return _load_gguf(path)
     return _load_hf_dir(path)

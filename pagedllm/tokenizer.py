@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
+
+logger = logging.getLogger("pagedllm")
 
 
 def _cache_dir() -> Path:
@@ -26,6 +29,7 @@ class Tokenizer:
             if (cached / "tokenizer_config.json").is_file():
                 self.hf = AutoTokenizer.from_pretrained(str(cached))
             else:
+                logger.info("building the tokenizer from %s (once; cached under %s)", path.name, cached.parent)
                 self.hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
                 try:
                     self.hf.save_pretrained(str(cached))
