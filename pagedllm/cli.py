@@ -63,7 +63,18 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         default=None,
         help="join ranks started by a launcher: env:// (torchrun) or tcp://HOST:PORT",
     )
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (per rank)")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="threads per rank (default: one per core that other processes leave free, measured every second)",
+    )
+    g.add_argument(
+        "--no-adaptive-threads",
+        dest="adaptive_threads",
+        action="store_false",
+        help="keep one thread per core even when other processes take cores",
+    )
     g.add_argument("--log-level", default="INFO")
 
 
@@ -94,6 +105,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         attention=args.attention,
         linear=args.linear,
         num_threads=args.num_threads,
+        adaptive_threads=args.adaptive_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method,
     )

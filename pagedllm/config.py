@@ -34,7 +34,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/attention.py)
     linear: str = "auto"  # auto | onednn | torch (see pagedllm/linear.py)
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    num_threads: int | None = None  # threads per step; None: the cores other processes leave free, measured live
+    adaptive_threads: bool = True  # with num_threads None: False keeps one thread per core whatever else runs
     seed: int = 0  # seeds the sampler for requests without a seed of their own
     kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
     enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)

@@ -32,6 +32,7 @@ from pagedllm.request_group import RequestGroup, text_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size, shard_hf_weights
+from pagedllm.thread_control import AdaptiveThreads
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -131,6 +132,12 @@ class LLMEngine:
             self.workers.start()
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # One rank, no thread count given: use the cores other processes leave free (thread_control.py).
+        self.threads = (
+            AdaptiveThreads(torch.set_num_threads)
+            if config.tensor_parallel_size == 1 and not config.num_threads and config.adaptive_threads
+            else None
+        )
         try:
             built = build_rank_model(config, tp)
             self.runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed)
@@ -303,7 +310,10 @@ class LLMEngine:
         """One engine step: schedule, run the model, update the requests."""
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
-        return self._update(scheduled, result)
+        outputs = self._update(scheduled, result)
+        if self.threads is not None:
+            self.threads.after_step()
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         if self.workers is None:

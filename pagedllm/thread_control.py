@@ -1,0 +1,111 @@
+"""Adaptive thread count: use only the cores other processes leave free.
+
+Every parallel region of a step (each GEMM, each attention call: hundreds per
+step) ends at a barrier, so one thread on a core that another process also
+wants holds up all the others: the OS gives that core away for a whole time
+slice, and the step waits.  On a 2-core machine with one busy-loop process
+beside it, two threads ran at 31% of their quiet speed, worse than one thread
+alone (docs/performance.md, `python benchmarks/contention.py`).
+
+So the engine measures, about once a second, how much CPU time other processes
+took on the cores this process may run on (`/proc/stat` for those cores, less
+this process's own CPU time) and sets the thread count to the cores left
+(rounded down, with a quarter-core of slack; at least 1, at most the cores it
+may use).  The decision is made between steps, on the thread that runs them, so
+torch's and the C++ kernels' OpenMP regions follow it at once.  Pure Python
+apart from the setter it is given; `num_threads` set by the user turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger("pagedllm")
+
+# /proc/stat counts in USER_HZ ticks (100 per second on Linux).
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cpus: list[int], stat_path: str = "/proc/stat") -> float | None:
+    """CPU time spent not idle on these cores since boot (all processes), or None where
+    /proc/stat cannot be read."""
+    wanted = {f"cpu{c}" for c in cpus}
+    total = 0
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+                    total += sum(ticks) - ticks[3] - ticks[4]
+    except (OSError, ValueError):
+        return None
+    return total / _TICKS_PER_SECOND
+
+
+def threads_for_free_cores(free_cores: float, max_threads: int) -> int:
+    """The thread count for this many free cores: rounded down with a quarter-core of slack."""
+    return max(1, min(max_threads, int(free_cores + 0.25)))
+
+
+class AdaptiveThreads:
+    """Call `after_step()` after every engine step; it resets the thread count when the
+    cores other processes use have changed."""
+
+    def __init__(
+        self,
+        set_threads: Callable[[int], None],
+        interval_s: float = 1.0,
+        cpus: list[int] | None = None,
+        read_busy: Callable[[], float | None] | None = None,
+        read_own: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cpus = cpus if cpus is not None else allowed_cpus()
+        self.max_threads = len(self.cpus)
+        self.threads = self.max_threads
+        self._set_threads = set_threads
+        self._interval = interval_s
+        self._read_busy = read_busy or (lambda: busy_seconds(self.cpus))
+        self._read_own, self._clock = read_own, clock
+        self._last = self._sample()
+        self.other_cores = 0.0  # cores other processes used over the last interval
+        set_threads(self.threads)
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        return self._clock(), self._read_busy(), self._read_own()
+
+    def after_step(self) -> None:
+        now = self._clock()
+        if now - self._last[0] < self._interval:
+            return
+        sample = self._sample()
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
+        self._last = sample
+        if busy0 is None or busy1 is None:
+            return
+        # Others' CPU time = all busy time on our cores less our own (our threads may also run
+        # elsewhere when the affinity is wider than the cores read; clamp at 0).
+        self.other_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        threads = threads_for_free_cores(self.max_threads - self.other_cores, self.max_threads)
+        if threads != self.threads:
+            logger.info(
+                "threads %d -> %d: other processes used %.2f of %d cores over the last %.1f s",
+                self.threads,
+                threads,
+                self.other_cores,
+                self.max_threads,
+                t1 - t0,
+            )
+            self.threads = threads
+            self._set_threads(threads)
