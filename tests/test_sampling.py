@@ -109,6 +109,9 @@ def test_sampler_follows_the_distribution_and_filters():
     assert set(min_p) == {0, 1, 2}
     hot = sampler(logits, [SamplingParams(temperature=100.0)] * 4000, [None] * 4000).token_ids
     assert set(hot) == {0, 1, 2, 3, 4}
+    # Zero-probability tokens at both ends and between are never drawn, whatever the random number.
+    gaps = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, float("-inf")]]).repeat(4000, 1)
+    assert set(sampler(gaps, params, [None] * 4000).token_ids) == {1, 3}
 
 
 @pytest.mark.parametrize(
