@@ -3,14 +3,16 @@
 // query tokens over their cached context).  head_dim 64.
 //
 // Decode:
-// One work item = (decoding request, KV head): the K and V rows of that head over
-// the request's whole context, and the `group` query heads that read them, so
-// grouped-query heads never load K/V twice.  Three passes over a per-thread buffer:
-// scores (q . k for every visible key), an exact softmax, and the weighted sum of
-// values.  With AVX-512 the scores are computed 16 keys at a time, their horizontal
-// sums done together by a transpose tree (one per key measured ~3x slower), and
-// with AVX512-BF16 bfloat16 rows go straight into `vdpbf16ps` without conversion.
-// Without AVX-512 the same loops are left to the compiler's vectorizer.
+// One work item = one decoding request, all of its heads.  A token's K (or V) row
+// holds every KV head ([kv_heads, 64] contiguous) and a block's rows are
+// contiguous, so walking the block table tile by tile streams each block from
+// memory once; each K/V head row serves all `group` query heads that read it.
+// Three passes over a per-thread buffer: scores (q . k for every key), an exact
+// softmax, and the weighted sum of values.  With AVX-512 the scores of 16 keys are
+// computed together, their horizontal sums done at once by a transpose tree, and
+// with AVX512-BF16 bfloat16 rows go straight into `vdpbf16ps` without conversion;
+// the value sums stay in registers for a tile.  Without AVX-512 the same loops are
+// left to the compiler's vectorizer.
 #include <omp.h>
 
 #if defined(__AVX512F__)
@@ -29,13 +31,33 @@ namespace {
 constexpr int64_t D = 64;
 constexpr int64_t kKeys = 16;  // keys per score tile
 
-// Where position t of one KV head lives in a cache [num_blocks, block_size, kv_heads, D].
+// Walks one request's context through its block table, handing out the cache rows
+// (all KV heads) of successive positions, kKeys at a time, with no division per key.
 template <typename T>
-struct HeadRows {
-  const T* cache;
-  const int64_t* table;
-  int64_t block_size, row, head;
-  const T* operator()(int64_t t) const { return cache + (table[t / block_size] * block_size + t % block_size) * row + head * D; }
+class RowWalker {
+ public:
+  RowWalker(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row)
+      : cache_(cache), table_(table), len_(len), block_size_(block_size), row_(row) {}
+
+  // Fills rows[0, kKeys) for the next positions and returns how many are real; a short
+  // tile repeats its last row, so full-width loads stay inside the cache.
+  int64_t next(const T** rows) {
+    const int64_t n = std::min(kKeys, len_ - t_);
+    for (int64_t i = 0; i < n; ++i) {
+      if (r_ == 0) block_ = cache_ + table_[j_] * block_size_ * row_;
+      rows[i] = block_ + r_ * row_;
+      if (++r_ == block_size_) r_ = 0, ++j_;
+    }
+    for (int64_t i = n; i < kKeys; ++i) rows[i] = rows[n - 1];
+    t_ += n;
+    return n;
+  }
+
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t len_, block_size_, row_, t_ = 0, j_ = 0, r_ = 0;
+  const T* block_ = nullptr;
 };
 
 #if defined(__AVX512F__)
@@ -62,7 +84,7 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, d);
 }
 
-// q . k partial sums (16 lanes) for one key row of 64 elements.
+// One query head in registers, as floats and (AVX512-BF16) as bf16 pairs.
 struct QueryRegs {
   __m512 f[4];
 #if defined(__AVX512BF16__)
@@ -73,11 +95,13 @@ inline void load_query(const float* q, QueryRegs& r) {
   for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(q + 16 * j);
 }
 inline void load_query(const bf16* q, QueryRegs& r) {
-  for (int j = 0; j < 4; ++j) r.f[j] = load16(q + 16 * j);
 #if defined(__AVX512BF16__)
   for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+#else
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(q + 16 * j);
 #endif
 }
+// q . k as 16 partial sums, for one key of 64 elements.
 inline __m512 dot_partial(const float* k, const QueryRegs& q) {
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), q.f[0]);
   for (int j = 1; j < 4; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * j), q.f[j], acc);
@@ -85,7 +109,7 @@ inline __m512 dot_partial(const float* k, const QueryRegs& q) {
 }
 inline __m512 dot_partial(const bf16* k, const QueryRegs& q) {
 #if defined(__AVX512BF16__)
-  __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q.b[0]);
+  const __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q.b[0]);
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + 32), q.b[1]);
 #else
   __m512 acc = _mm512_mul_ps(load16(k), q.f[0]);
@@ -94,91 +118,102 @@ inline __m512 dot_partial(const bf16* k, const QueryRegs& q) {
 #endif
 }
 
+// Scores of every query head against one tile of keys (all KV heads of each key row).
 template <typename T>
-void decode_scores(const T* q, const HeadRows<T>& keys, int64_t len, int64_t group, float scale, float* scores,
-                   int64_t ld) {
+inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld) {
   const __m512 scale_v = _mm512_set1_ps(scale);
-  for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
-    const T* rows[kKeys];
-    for (int64_t i = 0; i < kKeys; ++i) rows[i] = keys(std::min(t0 + i, len - 1));  // a short tile repeats its last key
+  for (int64_t h = 0; h < kv_heads; ++h)
     for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
       QueryRegs qr;
-      load_query(q + g * D, qr);
+      load_query(q + head * D, qr);
       __m512 partial[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) partial[i] = dot_partial(rows[i], qr);
-      _mm512_storeu_ps(scores + g * ld + t0, _mm512_mul_ps(hsum16(partial), scale_v));
+      for (int64_t i = 0; i < kKeys; ++i) partial[i] = dot_partial(rows[i] + h * D, qr);
+      _mm512_storeu_ps(scores + head * ld + t0, _mm512_mul_ps(hsum16(partial), scale_v));
     }
-  }
 }
 
-// out[g] = sum_t p[g][t] v[t] for G query heads at a time, each accumulated in 4 registers.
+// acc[g] += sum over the tile's n keys of p[g][t] v[t], for G query heads of one KV head
+// (the accumulators stay in registers for the tile: 4G of them).
 template <int G, typename T>
-void decode_values(const float* probs, const HeadRows<T>& values, int64_t len, int64_t ld, float* out) {
-  __m512 acc[G][4];
+inline void tile_values(const float* probs, const T* const* rows, int64_t n, int64_t offset, int64_t ld,
+                        float* acc) {
+  __m512 a[G][4];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = values(t);
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = rows[i] + offset;
     __m512 row[4];
     for (int j = 0; j < 4; ++j) row[j] = load16(v + 16 * j);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * ld + t]);
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, row[j], acc[g][j]);
+      const __m512 p = _mm512_set1_ps(probs[g * ld + i]);
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(p, row[j], a[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + g * D + 16 * j, acc[g][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
 }
 
 template <typename T>
-void decode_all_values(const float* probs, const HeadRows<T>& values, int64_t len, int64_t ld, int64_t group,
-                       float* out) {
-  for (int64_t g = 0; g < group;) {
-    const int64_t n = std::min<int64_t>(4, group - g);
-    const float* p = probs + g * ld;
-    float* o = out + g * D;
-    switch (n) {
-      case 4: decode_values<4>(p, values, len, ld, o); break;
-      case 3: decode_values<3>(p, values, len, ld, o); break;
-      case 2: decode_values<2>(p, values, len, ld, o); break;
-      default: decode_values<1>(p, values, len, ld, o); break;
+inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group;) {
+      const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
+      const float* p = probs + head * ld + t0;
+      float* a = acc + head * D;
+      switch (count) {
+        case 4: tile_values<4>(p, rows, n, h * D, ld, a); break;
+        case 3: tile_values<3>(p, rows, n, h * D, ld, a); break;
+        case 2: tile_values<2>(p, rows, n, h * D, ld, a); break;
+        default: tile_values<1>(p, rows, n, h * D, ld, a); break;
+      }
+      g += count;
     }
-    g += n;
-  }
 }
 #else
 template <typename T>
-void decode_scores(const T* q, const HeadRows<T>& keys, int64_t len, int64_t group, float scale, float* scores,
-                   int64_t ld) {
-  float qf[D];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[g * D + d]) * scale;
-    for (int64_t t = 0; t < len; ++t) {
-      const T* k = keys(t);
-      float s = 0.f;
+inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      float qf[D];
+      for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[head * D + d]) * scale;
+      for (int64_t i = 0; i < kKeys; ++i) {
+        const T* k = rows[i] + h * D;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(k[d]);
-      scores[g * ld + t] = s;
+        for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(k[d]);
+        scores[head * ld + t0 + i] = s;
+      }
     }
-  }
 }
 
 template <typename T>
-void decode_all_values(const float* probs, const HeadRows<T>& values, int64_t len, int64_t ld, int64_t group,
-                       float* out) {
-  std::fill(out, out + group * D, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = values(t);
-    float row[D];
-    for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = probs[g * ld + t];
+inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float v[D];
+      for (int64_t d = 0; d < D; ++d) v[d] = to_float(rows[i][h * D + d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const float p = probs[head * ld + t0 + i];
+        float* a = acc + head * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * row[d];
+        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      }
     }
-  }
 }
 #endif
+
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + b);
+}
 
 // In place: each row of `scores` becomes its softmax, and inv_sum the reciprocal of its sum.
 inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, float* inv_sum) {
@@ -197,32 +232,53 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, f
   }
 }
 
+// One decoding request, every head: whole key rows (all KV heads) are read once, in
+// block order, so each block's contiguous memory streams through the cache once.
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t len,
+                int64_t block_size, int64_t kv_heads, int64_t group, float scale, std::vector<float>& buf) {
+  const int64_t heads = kv_heads * group, row = kv_heads * D;
+  const int64_t ld = (len + kKeys - 1) / kKeys * kKeys;
+  buf.resize(heads * (ld + D + 1));
+  float* scores = buf.data();
+  float* acc = scores + heads * ld;
+  float* inv_sum = acc + heads * D;
+  // Rows come one tile ahead of their use and are prefetched meanwhile: blocks lie anywhere
+  // in memory, where the hardware prefetcher cannot follow (measured 1.3x on 25 MiB per layer).
+  const T* tiles[2][kKeys];
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
+  RowWalker<T> keys(k_cache, table, len, block_size, row);
+  keys.next(tiles[0]);
+  for (int64_t t0 = 0, i = 0; t0 < len; t0 += kKeys, i ^= 1) {
+    if (t0 + kKeys < len) prefetch_rows(tiles[i ^ 1], keys.next(tiles[i ^ 1]), row_bytes);
+    tile_scores(q, tiles[i], t0, kv_heads, group, scale, scores, ld);
+  }
+  softmax_rows(scores, heads, len, ld, inv_sum);
+  std::fill(acc, acc + heads * D, 0.f);
+  RowWalker<T> values(v_cache, table, len, block_size, row);
+  int64_t counts[2] = {values.next(tiles[0]), 0};
+  for (int64_t t0 = 0, i = 0; t0 < len; t0 += kKeys, i ^= 1) {
+    if (t0 + kKeys < len) prefetch_rows(tiles[i ^ 1], counts[i ^ 1] = values.next(tiles[i ^ 1]), row_bytes);
+    tile_all_values(scores, tiles[i], counts[i], t0, kv_heads, group, ld, acc);
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(acc[h * D + d] * inv_sum[h]);
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows,
                    const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,
                    int64_t block_size, int64_t kv_heads, int64_t group, float scale) {
-  const int64_t heads = kv_heads * group, row = kv_heads * D, num_items = num_requests * kv_heads;
+  const int64_t heads = kv_heads * group;
   int64_t total = 0;
   for (int64_t b = 0; b < num_requests; ++b) total += seq_lens[b];
-#pragma omp parallel if (total * kv_heads >= 4096)
+#pragma omp parallel if (total * heads >= 8192)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = seq_lens[b];
-      const int64_t ld = (len + kKeys - 1) / kKeys * kKeys;
-      buf.resize(group * (ld + D + 1));
-      float* scores = buf.data();
-      float* acc = scores + group * ld;
-      float* inv_sum = acc + group * D;
-      const int64_t* table = block_tables + b * max_blocks;
-      const int64_t first = rows[b] * heads + h * group;  // this head group's first query head
-      decode_scores(q + first * D, HeadRows<T>{k_cache, table, block_size, row, h}, len, group, scale, scores, ld);
-      softmax_rows(scores, group, len, ld, inv_sum);
-      decode_all_values(scores, HeadRows<T>{v_cache, table, block_size, row, h}, len, ld, group, acc);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(first + g) * D + d] = from_float<T>(acc[g * D + d] * inv_sum[g]);
-    }
+    for (int64_t b = 0; b < num_requests; ++b)
+      decode_one(q + rows[b] * heads * D, k_cache, v_cache, out + rows[b] * heads * D, block_tables + b * max_blocks,
+                 seq_lens[b], block_size, kv_heads, group, scale, buf);
   }
 }
 
