@@ -11,27 +11,78 @@ One run does both, one after the other on the same engine settings:
 It reports output tokens/s for both and their ratio, and for the served run the
 time to first token, inter-token latency (the gaps between a stream's chunks,
 each chunk one step's text) and end-to-end latency percentiles.
+
+The same replay drives any OpenAI-compatible server: `--url URL --model NAME`
+replays against one already running (nothing else is started), and
+`--vllm-python VENV/bin/python` also starts vLLM's OpenAI server from that
+virtual environment (`python -m vllm.entrypoints.openai.api_server`, tuned as
+in benchmarks/vllm_compare.py, the same dtype and a 4 GiB KV cache) after
+pagedllm's, replays the same arrivals against it, and reports pagedllm's
+latencies over vLLM's:
+
+    python benchmarks/serve_bench.py --workload W.jsonl --request-rate 1.5 --skip-offline \
+        --vllm-python VENV/bin/python --output docs/results/serve-vs-vllm.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_helpers import serve_subprocess  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_helpers import free_port, serve_subprocess  # noqa: E402
+from vllm_compare import hf_directory, vllm_env  # noqa: E402
 
 from pagedllm.bench import load_workload, print_result, run_bench  # noqa: E402
 from pagedllm.cli import add_engine_args, engine_config  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
+from pagedllm.cpu_kernels import cpu_summary  # noqa: E402
+from pagedllm.engine import resolve_dtype  # noqa: E402
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, dtype: str, max_model_len: int):
+    """vLLM's OpenAI server (tuned) on a free port, serving the bundled model as 'default'; yields
+    its /v1 base URL once /v1/models answers, and stops it on exit."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_directory())]
+    command += ["--served-model-name", "default", "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    command += ["--port", str(port), "--host", "127.0.0.1", "--seed", "0"]
+    process = subprocess.Popen(command, env=vllm_env(python, tuned=True))
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with status {process.returncode} before answering")
+            try:
+                if httpx.get(f"{url}/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's server did not answer within 900 s")
+            time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -71,7 +122,7 @@ def percentiles(values: list[float], name: str) -> dict[str, float]:
     }
 
 
-async def replay(base_url: str, requests: list[dict], rate: float, seed: int) -> dict:
+async def replay(base_url: str, requests: list[dict], rate: float, seed: int, model: str = "default") -> dict:
     rng = random.Random(seed)
     ttfts, gaps, latencies, tokens = [], [], [], []
 
@@ -79,7 +130,7 @@ async def replay(base_url: str, requests: list[dict], rate: float, seed: int) ->
         await asyncio.sleep(delay)
         sent = time.perf_counter()
         stream = await client.completions.create(
-            model="default",
+            model=model,
             prompt=item["prompt_token_ids"],
             max_tokens=item["max_tokens"],
             temperature=0.0,
@@ -126,6 +177,9 @@ def main() -> int:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--url", default=None, help="replay against this running server (its /v1 base) only")
+    parser.add_argument("--model", dest="served_model", default="default", help="the model name for --url")
+    parser.add_argument("--vllm-python", default=None, help="also start and replay against vLLM from this venv")
     parser.add_argument("--output", default=None)
     add_engine_args(parser)
     args = parser.parse_args()
@@ -135,6 +189,11 @@ def main() -> int:
         raise SystemExit("this benchmark replays greedy single-sample workloads")
 
     result: dict = {"workload": args.workload, "requests": len(requests), "request_rate": str(args.request_rate)}
+    result["cpu"] = cpu_summary()
+    if args.url:
+        result["served"] = asyncio.run(replay(args.url, requests, args.request_rate, args.seed, args.served_model))
+        print_result(result, args.output)
+        return 0
     if not args.skip_offline:
         offline = run_bench(config, requests)
         result["offline"] = {k: offline[k] for k in ("wall_s", "output_tokens", "output_tokens_per_s", "peak_running")}
@@ -146,7 +205,16 @@ def main() -> int:
     if "offline" in result:
         ratio = result["served"]["output_tokens_per_s"] / result["offline"]["output_tokens_per_s"]
         result["served_over_offline"] = round(ratio, 3)
-    result["engine"] = {"dtype": config.dtype, "block_size": config.block_size, "kv_cache_memory": args.kv_cache_memory}
+    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
+    result["engine"] = {"dtype": dtype, "block_size": config.block_size, "kv_cache_memory": args.kv_cache_memory}
+    if args.vllm_python:
+        gc.collect()
+        with vllm_server(args.vllm_python, dtype, config.max_model_len or 8192) as url:
+            result["vllm_served"] = asyncio.run(replay(url, requests, args.request_rate, args.seed, "default"))
+        ours, theirs = result["served"], result["vllm_served"]
+        for key in ("itl_p50_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s"):
+            if key in ours and key in theirs and theirs[key] > 0:
+                result[f"pagedllm_over_vllm_{key}"] = round(ours[key] / theirs[key], 3)
     print_result(result, args.output)
     return 0
 

@@ -81,18 +81,28 @@ def hf_directory() -> Path:
     return target
 
 
-def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, num_requests: int) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "PIP_CONFIG_FILE": "/dev/null"}
+def vllm_env(python: str, tuned: bool) -> dict[str, str]:
+    """vLLM's environment: a 4 GiB KV cache, and tuned as its CPU docs recommend (every core
+    bound with VLLM_CPU_OMP_THREADS_BIND, tcmalloc and the venv's Intel OpenMP preloaded)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
     if tuned:
-        venv_lib = Path(python).resolve().parents[1] / "lib"
-        preload = [str(p) for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", venv_lib / "libiomp5.so")]
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "LD_PRELOAD": ":".join(preload)}
+        venv_lib = Path(python).absolute().parents[1] / "lib"  # not resolved: a venv's python is a symlink
+        preload = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), venv_lib / "libiomp5.so"]
+        missing = [str(p) for p in preload if not p.exists()]
+        if missing:
+            raise SystemExit(f"tuned vLLM needs {', '.join(missing)} (apt install libtcmalloc-minimal4; intel-openmp)")
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "LD_PRELOAD": ":".join(map(str, preload))}
+    return env
+
+
+def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, num_requests: int) -> dict:
+    env = vllm_env(python, tuned)
     config = {"workload": args.workload, "num_requests": num_requests, "model": str(model), "dtype": args.dtype,
               "max_model_len": args.max_model_len}  # fmt: skip
     proc = subprocess.run([python, "-c", VLLM_RUNNER, json.dumps(config)], env=env, capture_output=True, text=True)
     if args.output:  # vLLM's own log beside the result: its settings, compilation, KV blocks
         log = Path(args.output).with_suffix(f".vllm-{'tuned' if tuned else 'default'}.log")
-        log.write_text(proc.stderr)
+        log.write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -33,8 +33,8 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp")
-_HEADERS = ("common.h",)
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
+_HEADERS = ("common.h", "avx512.h")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _COMPILER = os.environ.get("CXX", "g++")
 
@@ -46,6 +46,8 @@ _SIGNATURES = {
     "rope_write_kv": [_P] * 8 + [_I] * 4,
     "silu_mul": [_P] * 2 + [_I] * 2,
 }
+# Built for bfloat16 only (AVX512-BF16); `gemv_bf16_available` says whether this build has it.
+_BF16_ONLY = {"gemv": [_P] * 3 + [_I] * 3}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -132,6 +134,12 @@ class CpuKernels:
                 fn = getattr(library, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
+        for name, argtypes in _BF16_ONLY.items():
+            fn = getattr(library, f"{name}_bf16")
+            fn.argtypes, fn.restype = argtypes, None
+            self._fns[name, torch.bfloat16] = fn
+        library.gemv_bf16_available.restype = ctypes.c_int64
+        self.has_gemv = bool(library.gemv_bf16_available())
 
     def _fn(self, name: str, dtype: torch.dtype):
         fn = self._fns.get((name, dtype))
@@ -199,6 +207,15 @@ class CpuKernels:
         out = torch.empty(rows, width, dtype=gate_up.dtype)
         self._fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
         return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ weight[n, k]^T for a few rows, bfloat16, k a multiple of 32 (see csrc/gemv.cpp)."""
+        _check(x, weight)
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)
+        self._fn("gemv", x.dtype)(_ptr(x), _ptr(weight), _ptr(y), m, n, k)
+        return y
 
 
 def _check(*tensors: torch.Tensor) -> None:

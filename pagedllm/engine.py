@@ -98,7 +98,8 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
     model = LlamaModel(model_config, dtype, max_model_len, attention, tp, ops)
     linear_backend = resolve_linear_backend(config.linear, dtype)
-    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend)
+    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
+    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
     del weights
     return_freed_memory()
 

@@ -47,6 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class TorchOps:
     name = "torch"
+    gemv = None  # no small-batch GEMV kernel (see pagedllm/linear.py)
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -84,6 +85,7 @@ class CppOps:
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
+        self.gemv = kernels if kernels.has_gemv else None
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

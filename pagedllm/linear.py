@@ -8,6 +8,12 @@ measured 1.3-2x faster than `F.linear` on the model's shapes
 (`python benchmarks/linear_backends.py`).  The reordered weight works for
 any number of rows.  Where oneDNN cannot take the dtype here (bfloat16 needs
 AVX-512 or AVX-NE-CONVERT), or `linear="torch"`, plain `F.linear` is used.
+
+A decode step of one or two requests is bound by reading the weights, and
+there oneDNN's per-call overhead showed: with AVX512-BF16, bfloat16 linears
+of at most `GEMV_MAX_ROWS` rows go to the C++ GEMV kernel (csrc/gemv.cpp)
+instead, which reads the plain weight once.  It keeps that plain copy beside
+the packed one (for SmolLM2 in bfloat16, +204 MiB).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+GEMV_MAX_ROWS = 2
 
 
 @functools.cache
@@ -44,10 +51,14 @@ def resolve_linear_backend(name: str, dtype: torch.dtype) -> str:
 
 
 class Linear:
-    """x [tokens, in] -> [tokens, out] for a weight [out, in]."""
+    """x [tokens, in] -> [tokens, out] for a weight [out, in]; `gemv` (a CpuKernels, or None) takes
+    bfloat16 calls of at most GEMV_MAX_ROWS rows where it can."""
 
-    def __init__(self, weight: torch.Tensor, backend: str) -> None:
+    def __init__(self, weight: torch.Tensor, backend: str, gemv=None) -> None:
         self.out_features = weight.shape[0]
+        self.plain: torch.Tensor | None = None  # the [out, in] weight the GEMV kernel reads
+        if gemv is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and gemv.has_gemv:
+            self.plain, self._gemv = weight.contiguous(), gemv.gemv
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 128)
             self._forward = self._onednn
@@ -56,6 +67,8 @@ class Linear:
             self._forward = self._torch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return self._gemv(x.contiguous(), self.plain)
         return self._forward(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:

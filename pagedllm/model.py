@@ -39,13 +39,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(c.hidden_size, inter, dtype=dtype), requires_grad=False)
         self.linears: dict[str, Linear] = {}
 
-    def prepare_linears(self, backend: str) -> None:
-        """Build the projections from the loaded weights; a packed copy replaces the weight."""
+    def prepare_linears(self, backend: str, gemv=None) -> None:
+        """Build the projections from the loaded weights; a packed copy replaces the weight
+        (the plain one stays too where the small-batch GEMV kernel reads it)."""
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             param = getattr(self, name)
-            self.linears[name] = Linear(param.data, backend)
-            if backend != "torch":  # the packed copy is the only one used from now on
-                param.data = torch.empty(0, dtype=param.dtype)
+            linear = self.linears[name] = Linear(param.data, backend, gemv)
+            if backend != "torch":  # the packed copy (and the GEMV's plain one) are what is used from now on
+                param.data = linear.plain if linear.plain is not None else torch.empty(0, dtype=param.dtype)
 
     def forward(
         self,
@@ -101,9 +102,12 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
         self.lm_head_linear: Linear | None = None
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], linear_backend: str = "torch") -> None:
+    def load_hf_weights(
+        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch_gemv: bool = True
+    ) -> None:
         """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
-        build the projections with `linear_backend` (see pagedllm/linear.py)."""
+        build the projections with `linear_backend` (see pagedllm/linear.py), with the
+        C++ GEMV for one- and two-row steps where `small_batch_gemv` and the CPU allow."""
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -126,7 +130,7 @@ class LlamaModel(nn.Module):
                 layer.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
                 layer.down_proj.copy_(take(p + "mlp.down_proj.weight"))
         for layer in self.layers:
-            layer.prepare_linears(linear_backend)
+            layer.prepare_linears(linear_backend, self.ops.gemv if small_batch_gemv else None)
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
 

@@ -78,3 +78,24 @@ def test_select_ops() -> None:
         select_ops("fast", torch.float32)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         select_ops("cpp", torch.float16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536)])
+def test_small_batch_gemv_and_the_linear_that_routes_to_it(
+    cpp: CppOps, rows: int, out_features: int, in_features: int
+) -> None:
+    from pagedllm.linear import GEMV_MAX_ROWS, Linear
+
+    if cpp.gemv is None:
+        pytest.skip("no AVX512-BF16 on this CPU: the GEMV kernel is not built")
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    expected = (x.float() @ weight.float().t()).bfloat16()
+    linear = Linear(weight, "onednn", cpp.gemv)
+    assert linear.plain is not None
+    # Accumulated in float32 either way, rounded once to bfloat16: one last-bit difference at most.
+    torch.testing.assert_close(linear(x).float(), expected.float(), atol=1e-2, rtol=8e-3)
+    if rows <= GEMV_MAX_ROWS:
+        torch.testing.assert_close(cpp.gemv.gemv(x, weight).float(), expected.float(), atol=1e-2, rtol=8e-3)
