@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx512.h"
@@ -129,6 +130,75 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 values with AVX512-BF16: keys two at a time through `vdpbf16ps`, the weights
+// rounded to bfloat16 first (as GPU flash attention rounds P before P.V).  Two V rows are
+// interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
+// accumulators hold the 64 dims in `paired_dim` order, put back by `unpair_values`.
+inline int64_t paired_dim(int64_t q) {
+  const int64_t b = q / 16, j = q % 16;
+  return (b / 2) * 32 + 8 * (j / 4) + (b % 2) * 4 + j % 4;
+}
+
+template <int G>
+inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
+                             int64_t ld_pairs, float* acc) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+  for (int64_t i = 0; i < n; i += 2) {  // an odd tail pairs with the tile's repeated row, whose weight is 0
+    const bf16* v0 = rows[i] + offset;
+    const bf16* v1 = rows[i + 1] + offset;
+    const __m512i x0 = _mm512_loadu_si512(v0), x1 = _mm512_loadu_si512(v0 + 32);
+    const __m512i y0 = _mm512_loadu_si512(v1), y1 = _mm512_loadu_si512(v1 + 32);
+    const __m512bh pairs[4] = {(__m512bh)_mm512_unpacklo_epi16(x0, y0), (__m512bh)_mm512_unpackhi_epi16(x0, y0),
+                               (__m512bh)_mm512_unpacklo_epi16(x1, y1), (__m512bh)_mm512_unpackhi_epi16(x1, y1)};
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[g * ld_pairs + i / 2]));
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], pairs[j], w);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+}
+
+// The softmax weights of every head as bfloat16, zero past `len` (to the tile's end).
+inline void weights_to_bf16(const float* probs, int64_t heads, int64_t len, int64_t ld, bf16* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < len; ++i) out[h * ld + i] = from_float<bf16>(probs[h * ld + i]);
+    for (int64_t i = len; i < ld; ++i) out[h * ld + i] = bf16{0};
+  }
+}
+
+inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights);
+  const int64_t ld_pairs = ld / 2;
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group;) {
+      const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
+      const uint32_t* p = pairs + head * ld_pairs + t0 / 2;
+      float* a = acc + head * D;
+      switch (count) {
+        case 4: tile_value_pairs<4>(p, rows, n, h * D, ld_pairs, a); break;
+        case 3: tile_value_pairs<3>(p, rows, n, h * D, ld_pairs, a); break;
+        case 2: tile_value_pairs<2>(p, rows, n, h * D, ld_pairs, a); break;
+        default: tile_value_pairs<1>(p, rows, n, h * D, ld_pairs, a); break;
+      }
+      g += count;
+    }
+}
+
+inline void unpair_values(float* acc, int64_t heads) {
+  float tmp[D];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* a = acc + h * D;
+    for (int64_t q = 0; q < D; ++q) tmp[paired_dim(q)] = a[q];
+    std::copy(tmp, tmp + D, a);
+  }
+}
+#endif
+
 template <typename T>
 inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
                             int64_t group, int64_t ld, float* acc) {
@@ -229,12 +299,26 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
   }
   softmax_rows(scores, heads, len, ld, inv_sum);
   std::fill(acc, acc + heads * D, 0.f);
+#if defined(__AVX512BF16__)
+  constexpr bool paired = std::is_same_v<T, bf16>;
+  // The weights as bfloat16, written in place over the scores' first half.
+  if constexpr (paired) weights_to_bf16(scores, heads, len, ld, reinterpret_cast<bf16*>(scores));
+#endif
   RowWalker<T> values(v_cache, table, len, block_size, row);
   int64_t counts[2] = {values.next(tiles[0]), 0};
   for (int64_t t0 = 0, i = 0; t0 < len; t0 += kKeys, i ^= 1) {
     if (t0 + kKeys < len) prefetch_rows(tiles[i ^ 1], counts[i ^ 1] = values.next(tiles[i ^ 1]), row_bytes);
+#if defined(__AVX512BF16__)
+    if constexpr (paired) {
+      tile_all_values(reinterpret_cast<const bf16*>(scores), tiles[i], counts[i], t0, kv_heads, group, ld, acc);
+      continue;
+    }
+#endif
     tile_all_values(scores, tiles[i], counts[i], t0, kv_heads, group, ld, acc);
   }
+#if defined(__AVX512BF16__)
+  if constexpr (paired) unpair_values(acc, heads);
+#endif
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(acc[h * D + d] * inv_sum[h]);
 }
