@@ -2,6 +2,7 @@
 attention over contiguous K/V, on random ragged batches."""
 
 import math
+import platform
 
 import pytest
 import torch
@@ -101,16 +102,38 @@ def test_cpp_kernel_builds_here():
 
 @pytest.mark.parametrize("attention", FAST_PATHS)
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_slots_outside_every_context_never_reach_the_output(attention, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_outside_every_context_never_reach_the_output(attention, head_dim, dtype):
     """Freed or never-written slots may hold anything, NaN included (a block's tail past
     its request's length, the padding block 0): no path may read them into a result."""
     if attention is cpp_attention and head_dim != 64:
         pytest.skip("the C++ kernel is head_dim 64 only")
     block_size = 16
-    q, cache, meta, _ = make_batch(2, block_size, 2, 2, head_dim, RAGGED)
+    q, cache, meta, _ = make_batch(2, block_size, 2, 2, head_dim, RAGGED, dtype=dtype)
     expected = reference_attention(q, cache, meta)
     in_context = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool)
     for table, seq_len in zip(meta.block_tables.tolist(), meta.seq_lens):
         in_context[[table[p // block_size] * block_size + p % block_size for p in range(seq_len)]] = True
     cache.view(2, -1, *cache.shape[3:])[:, ~in_context] = float("nan")
-    torch.testing.assert_close(attention(q, cache, meta), expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attention(q, cache, meta).float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for an x86-64 instruction set")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_cpp_paths_match_the_reference(dtype, monkeypatch, tmp_path):
+    """The kernels built for AVX2 only (no AVX-512 intrinsics, no AVX512-BF16) take the plain
+    C++ paths that CPUs without AVX-512 run; they must agree with the reference too."""
+    import ctypes
+
+    import pagedllm.attention as attention_module
+    from pagedllm.cpu_kernels import CpuKernels, build_library
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    plain = CpuKernels(ctypes.CDLL(str(build_library("haswell"))))
+    assert not plain.has_gemv
+    monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
+    q, cache, meta, _ = make_batch(7, 16, 3, 3, 64, RAGGED, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = reference_attention(q, cache, meta).float()
+    torch.testing.assert_close(cpp_attention(q, cache, meta).float(), expected, atol=tol, rtol=tol)
