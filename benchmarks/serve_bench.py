@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--url", default=None, help="replay against this running server (its /v1 base) only")
-    parser.add_argument("--model", dest="served_model", default="default", help="the model name for --url")
+    parser.add_argument("--served-model", default="default", help="the model name to send with --url")
     parser.add_argument("--vllm-python", default=None, help="also start and replay against vLLM from this venv")
     parser.add_argument("--output", default=None)
     add_engine_args(parser)

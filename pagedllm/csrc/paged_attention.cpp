@@ -41,6 +41,7 @@ class RowWalker {
   // tile repeats its last row, so full-width loads stay inside the cache.
   int64_t next(const T** rows) {
     const int64_t n = std::min(kKeys, len_ - t_);
+    if (n <= 0) return 0;
     for (int64_t i = 0; i < n; ++i) {
       if (r_ == 0) block_ = cache_ + table_[j_] * block_size_ * row_;
       rows[i] = block_ + r_ * row_;
@@ -164,10 +165,13 @@ inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* ro
 
 // The softmax weights of every head as bfloat16, zero past `len` (to the tile's end).
 inline void weights_to_bf16(const float* probs, int64_t heads, int64_t len, int64_t ld, bf16* out) {
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < len; ++i) out[h * ld + i] = from_float<bf16>(probs[h * ld + i]);
-    for (int64_t i = len; i < ld; ++i) out[h * ld + i] = bf16{0};
-  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % kKeys)) - 1);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < ld; i += kKeys) {
+      const __mmask16 keep = i + kKeys <= len ? static_cast<__mmask16>(0xFFFF) : tail;
+      const __m256bh narrow = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, probs + h * ld + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * ld + i), reinterpret_cast<const __m256i&>(narrow));
+    }
 }
 
 inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
@@ -259,6 +263,28 @@ inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + b);
 }
 
+// Prefetches a request's rows kTilesAhead tiles before a RowWalker hands them out: the
+// blocks lie anywhere in memory, where the hardware prefetcher cannot follow them.
+#ifndef PAGEDLLM_TILES_AHEAD
+#define PAGEDLLM_TILES_AHEAD 2
+#endif
+template <typename T>
+class TilePrefetcher {
+ public:
+  TilePrefetcher(const T* cache, const int64_t* table, int64_t len, int64_t block_size, int64_t row)
+      : walker_(cache, table, len, block_size, row), row_bytes_(row * static_cast<int64_t>(sizeof(T))) {
+    for (int i = 0; i < PAGEDLLM_TILES_AHEAD; ++i) next();
+  }
+  void next() {
+    const T* rows[kKeys];
+    prefetch_rows(rows, walker_.next(rows), row_bytes_);
+  }
+
+ private:
+  RowWalker<T> walker_;
+  int64_t row_bytes_;
+};
+
 // In place: each row of `scores` becomes its softmax, and inv_sum the reciprocal of its sum.
 inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, float* inv_sum) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -283,38 +309,37 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
                 int64_t block_size, int64_t kv_heads, int64_t group, float scale, std::vector<float>& buf) {
   const int64_t heads = kv_heads * group, row = kv_heads * D;
   const int64_t ld = (len + kKeys - 1) / kKeys * kKeys;
-  buf.resize(heads * (ld + D + 1));
+  buf.resize(heads * (ld + D + 1) + heads * ld / 2);  // + bf16 weights (AVX512-BF16)
   float* scores = buf.data();
   float* acc = scores + heads * ld;
   float* inv_sum = acc + heads * D;
-  // Rows come one tile ahead of their use and are prefetched meanwhile: blocks lie anywhere
-  // in memory, where the hardware prefetcher cannot follow (measured 1.3x on 25 MiB per layer).
-  const T* tiles[2][kKeys];
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
+  const T* rows[kKeys];
   RowWalker<T> keys(k_cache, table, len, block_size, row);
-  keys.next(tiles[0]);
-  for (int64_t t0 = 0, i = 0; t0 < len; t0 += kKeys, i ^= 1) {
-    if (t0 + kKeys < len) prefetch_rows(tiles[i ^ 1], keys.next(tiles[i ^ 1]), row_bytes);
-    tile_scores(q, tiles[i], t0, kv_heads, group, scale, scores, ld);
+  TilePrefetcher<T> keys_ahead(k_cache, table, len, block_size, row);
+  for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
+    keys_ahead.next();
+    keys.next(rows);
+    tile_scores(q, rows, t0, kv_heads, group, scale, scores, ld);
   }
+  TilePrefetcher<T> values_ahead(v_cache, table, len, block_size, row);  // in flight during the softmax
   softmax_rows(scores, heads, len, ld, inv_sum);
   std::fill(acc, acc + heads * D, 0.f);
 #if defined(__AVX512BF16__)
   constexpr bool paired = std::is_same_v<T, bf16>;
-  // The weights as bfloat16, written in place over the scores' first half.
-  if constexpr (paired) weights_to_bf16(scores, heads, len, ld, reinterpret_cast<bf16*>(scores));
+  bf16* narrow = reinterpret_cast<bf16*>(inv_sum + heads);  // the weights as bfloat16
+  if constexpr (paired) weights_to_bf16(scores, heads, len, ld, narrow);
 #endif
   RowWalker<T> values(v_cache, table, len, block_size, row);
-  int64_t counts[2] = {values.next(tiles[0]), 0};
-  for (int64_t t0 = 0, i = 0; t0 < len; t0 += kKeys, i ^= 1) {
-    if (t0 + kKeys < len) prefetch_rows(tiles[i ^ 1], counts[i ^ 1] = values.next(tiles[i ^ 1]), row_bytes);
+  for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
+    values_ahead.next();
+    const int64_t n = values.next(rows);
 #if defined(__AVX512BF16__)
     if constexpr (paired) {
-      tile_all_values(reinterpret_cast<const bf16*>(scores), tiles[i], counts[i], t0, kv_heads, group, ld, acc);
+      tile_all_values(narrow, rows, n, t0, kv_heads, group, ld, acc);
       continue;
     }
 #endif
-    tile_all_values(scores, tiles[i], counts[i], t0, kv_heads, group, ld, acc);
+    tile_all_values(scores, rows, n, t0, kv_heads, group, ld, acc);
   }
 #if defined(__AVX512BF16__)
   if constexpr (paired) unpair_values(acc, heads);
