@@ -99,6 +99,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         flags += ["--max-model-len", str(config.max_model_len)]
     if config.num_threads:
         flags += ["--num-threads", str(config.num_threads)]
+    if not config.adaptive_threads:
+        flags.append("--no-adaptive-threads")
     if config.model:
         flags += ["--model", config.model]
     if not config.enable_prefix_caching:
