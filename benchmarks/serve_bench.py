@@ -42,7 +42,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_helpers import free_port, serve_subprocess  # noqa: E402
+from server_helpers import free_port, serve_subprocess, stop_process  # noqa: E402
 from vllm_compare import hf_directory, vllm_env  # noqa: E402
 
 from pagedllm.bench import load_workload, print_result, run_bench  # noqa: E402
@@ -77,12 +77,7 @@ def vllm_server(python: str, dtype: str, max_model_len: int):
             time.sleep(2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 60)
 
 
 def engine_flags(config: EngineConfig) -> list[str]:

@@ -78,12 +78,17 @@ def serve_subprocess(*args: str, api_key: str | None = API_KEY, timeout: float =
         wait_healthy(url, timeout, process)
         yield Server(url, api_key)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 30)
+
+
+def stop_process(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; always reaped."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextlib.contextmanager
