@@ -119,18 +119,28 @@ def test_slots_outside_every_context_never_reach_the_output(attention, head_dim,
     torch.testing.assert_close(attention(q, cache, meta).float(), expected.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for an x86-64 instruction set")
+def _older_instruction_sets() -> list[str]:
+    """-march targets this CPU can run that leave out some of its kernel paths."""
+    if platform.machine() != "x86_64":
+        return []
+    from pagedllm.cpu_kernels import cpu_flags
+
+    return ["haswell"] + (["skylake-avx512"] if "avx512f" in cpu_flags().split() else [])
+
+
+@pytest.mark.parametrize("march", _older_instruction_sets())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_cpp_paths_match_the_reference(dtype, monkeypatch, tmp_path):
-    """The kernels built for AVX2 only (no AVX-512 intrinsics, no AVX512-BF16) take the plain
-    C++ paths that CPUs without AVX-512 run; they must agree with the reference too."""
+def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path):
+    """Built for AVX2 only (`haswell`: plain C++ loops) or AVX-512 without AVX512-BF16
+    (`skylake-avx512`: bfloat16 converted to float32), the kernels take the paths those CPUs
+    run; they must agree with the reference too."""
     import ctypes
 
     import pagedllm.attention as attention_module
     from pagedllm.cpu_kernels import CpuKernels, build_library
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    plain = CpuKernels(ctypes.CDLL(str(build_library("haswell"))))
+    plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
     assert not plain.has_gemv
     monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
     q, cache, meta, _ = make_batch(7, 16, 3, 3, 64, RAGGED, dtype=dtype)
