@@ -5,7 +5,7 @@ ignored.  transformers runs static batches (default 16): prompts left-padded,
 each batch generating until its longest request is done; only the tokens each
 request asked for are counted.  pagedllm gets every request at once.
 
-    python benchmarks/compare_transformers.py --workload ../shared/workloads/random-128.jsonl \
+    python benchmarks/compare_transformers.py --workload benchmarks/workloads/random-128.jsonl \
         --dtype float32 --output bench-results/compare-fp32.json
 """
 

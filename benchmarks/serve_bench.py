@@ -1,6 +1,6 @@
 """Serving benchmark: replay a workload through the HTTP API, beside the offline engine.
 
-    python benchmarks/serve_bench.py --workload ../shared/workloads/random-128.jsonl \
+    python benchmarks/serve_bench.py --workload benchmarks/workloads/random-128.jsonl \
         --dtype float32 --request-rate inf --output docs/results/serve-random-128.json
 
 One run does both, one after the other on the same engine settings:
