@@ -13,7 +13,7 @@ A decode step of one or two requests is bound by reading the weights, and
 there oneDNN's per-call overhead showed: with AVX512-BF16, bfloat16 linears
 of at most `GEMV_MAX_ROWS` rows go to the C++ GEMV kernel (csrc/gemv.cpp)
 instead, which reads the plain weight once.  It keeps that plain copy beside
-the packed one (for SmolLM2 in bfloat16, +204 MiB).
+the packed one (for SmolLM2 in bfloat16, +203 MiB).
 """
 
 from __future__ import annotations
