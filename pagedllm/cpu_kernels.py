@@ -13,7 +13,8 @@ from the process's libgomp, the one torch has already loaded, so the kernels
 and torch share one thread pool.  When the build fails the engine falls back to
 pure-torch code and says so.
 
-Calls go through ctypes with raw pointers: ~2-4 us each, a few per layer.
+Calls go through ctypes with raw pointers: ~5 us each for a one-row call, allocation and
+checks included (a torch add of the same row: ~1.3 us); five per layer.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ class CpuKernels:
 
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if not t.is_contiguous() or t.device.type != "cpu":
+        if not t.is_cpu or not t.is_contiguous():  # is_cpu: 4x cheaper than comparing t.device
             raise ValueError("the CPU kernels need contiguous CPU tensors")
 
 

@@ -135,7 +135,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         # One rank, no thread count given: use the cores other processes leave free (thread_control.py).
         self.threads = (
-            AdaptiveThreads(torch.set_num_threads)
+            AdaptiveThreads(torch.set_num_threads, max_threads=torch.get_num_threads())
             if config.tensor_parallel_size == 1 and not config.num_threads and config.adaptive_threads
             else None
         )

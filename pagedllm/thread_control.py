@@ -4,15 +4,16 @@ Every parallel region of a step (each GEMM, each attention call: hundreds per
 step) ends at a barrier, so one thread on a core that another process also
 wants holds up all the others: the OS gives that core away for a whole time
 slice, and the step waits.  On a 2-core machine with one busy-loop process
-beside it, two threads ran at 31% of their quiet speed, worse than one thread
-alone (docs/performance.md, `python benchmarks/contention.py`).
+beside it, two threads ran at 30% of their quiet speed (28% in another run),
+worse than one thread alone (docs/performance.md, `python benchmarks/contention.py`).
 
 So the engine measures, about once a second, how much CPU time other processes
 took on the cores this process may run on (`/proc/stat` for those cores, less
 this process's own CPU time) and sets the thread count to the cores left
-(rounded down, with a quarter-core of slack; at least 1, at most the cores it
-may use).  The decision is made between steps, on the thread that runs them, so
-torch's and the C++ kernels' OpenMP regions follow it at once.  Pure Python
+(rounded down, with a quarter-core of slack; at least 1, at most the thread
+count the process started with: the cores it may use, or `OMP_NUM_THREADS`).
+The decision is made between steps, on the thread that runs them, so torch's
+and the C++ kernels' OpenMP regions follow it at once.  Pure Python
 apart from the setter it is given; `num_threads` set by the user turns it off.
 """
 
@@ -70,9 +71,10 @@ class AdaptiveThreads:
         read_busy: Callable[[], float | None] | None = None,
         read_own: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
+        max_threads: int | None = None,
     ) -> None:
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.max_threads = len(self.cpus)
+        self.max_threads = min(len(self.cpus), max_threads or len(self.cpus))
         self.threads = self.max_threads
         self._set_threads = set_threads
         self._interval = interval_s
@@ -97,14 +99,14 @@ class AdaptiveThreads:
         # Others' CPU time = all busy time on our cores less our own (our threads may also run
         # elsewhere when the affinity is wider than the cores read; clamp at 0).
         self.other_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
-        threads = threads_for_free_cores(self.max_threads - self.other_cores, self.max_threads)
+        threads = threads_for_free_cores(len(self.cpus) - self.other_cores, self.max_threads)
         if threads != self.threads:
             logger.info(
                 "threads %d -> %d: other processes used %.2f of %d cores over the last %.1f s",
                 self.threads,
                 threads,
                 self.other_cores,
-                self.max_threads,
+                len(self.cpus),
                 t1 - t0,
             )
             self.threads = threads

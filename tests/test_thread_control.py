@@ -19,10 +19,11 @@ class FakeMachine:
         self.busy += seconds * (own_cores + other_cores)
 
 
-def make(machine: FakeMachine, cpus: int = 2) -> tuple[AdaptiveThreads, list[int]]:
+def make(machine: FakeMachine, cpus: int = 2, max_threads: int | None = None) -> tuple[AdaptiveThreads, list[int]]:
     calls: list[int] = []
     threads = AdaptiveThreads(
         calls.append,
+        max_threads=max_threads,
         cpus=list(range(cpus)),
         read_busy=lambda: machine.busy,
         read_own=lambda: machine.own,
@@ -56,6 +57,18 @@ def test_follows_the_cores_other_processes_take() -> None:
     machine.run(1.0, own_cores=1.0, other_cores=0.05)  # the busy loop ended
     threads.after_step()
     assert threads.threads == 2 and calls == [2, 1, 2]
+
+
+def test_never_more_threads_than_the_process_started_with() -> None:
+    machine = FakeMachine()
+    threads, calls = make(machine, cpus=8, max_threads=4)  # e.g. OMP_NUM_THREADS=4 on 8 cores
+    assert calls == [4]
+    machine.run(1.0, own_cores=4.0, other_cores=2.0)  # 6 cores free: still 4 threads
+    threads.after_step()
+    assert threads.threads == 4 and calls == [4]
+    machine.run(1.0, own_cores=4.0, other_cores=5.0)  # 3 free
+    threads.after_step()
+    assert threads.threads == 3 and calls == [4, 3]
 
 
 def test_unreadable_proc_stat_keeps_the_count() -> None:

@@ -264,7 +264,8 @@ inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
 }
 
 // Prefetches a request's rows kTilesAhead tiles before a RowWalker hands them out: the
-// blocks lie anywhere in memory, where the hardware prefetcher cannot follow them.
+// blocks lie anywhere in memory, where the hardware prefetcher cannot follow them.  (Two
+// tiles ahead measured the same as one, within noise; see docs/performance.md.)
 #ifndef PAGEDLLM_TILES_AHEAD
 #define PAGEDLLM_TILES_AHEAD 2
 #endif
