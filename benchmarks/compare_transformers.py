@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pagedllm.bench import load_workload, print_result, run_on_engine
+from pagedllm.bench import print_result, run_on_engine
+from pagedllm.bench_datasets import load_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.model_loader import default_model_path

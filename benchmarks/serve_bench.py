@@ -30,22 +30,21 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import random
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_helpers import free_port, serve_subprocess, stop_process  # noqa: E402
 from vllm_compare import hf_directory, vllm_env  # noqa: E402
 
-from pagedllm.bench import load_workload, print_result, run_bench  # noqa: E402
+from pagedllm.bench import print_result, run_bench  # noqa: E402
+from pagedllm.bench_datasets import load_workload  # noqa: E402
+from pagedllm.bench_serve import replay  # noqa: E402
 from pagedllm.cli import add_engine_args, engine_config  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.cpu_kernels import cpu_summary  # noqa: E402
@@ -103,70 +102,6 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def percentiles(values: list[float], name: str) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
-
-    return {
-        f"{name}_mean_s": round(statistics.fmean(ordered), 4),
-        f"{name}_p50_s": at(0.5),
-        f"{name}_p90_s": at(0.9),
-        f"{name}_p99_s": at(0.99),
-    }
-
-
-async def replay(base_url: str, requests: list[dict], rate: float, seed: int, model: str = "default") -> dict:
-    rng = random.Random(seed)
-    ttfts, gaps, latencies, tokens = [], [], [], []
-
-    async def one(client: openai.AsyncOpenAI, item: dict, delay: float) -> None:
-        await asyncio.sleep(delay)
-        sent = time.perf_counter()
-        stream = await client.completions.create(
-            model=model,
-            prompt=item["prompt_token_ids"],
-            max_tokens=item["max_tokens"],
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        last = None
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                tokens.append(chunk.usage.completion_tokens)
-            if chunk.choices and chunk.choices[0].text:
-                if last is None:
-                    ttfts.append(now - sent)
-                else:
-                    gaps.append(now - last)
-                last = now
-        latencies.append(time.perf_counter() - sent)
-
-    delays, t = [], 0.0
-    for _ in requests:
-        delays.append(t)
-        if rate != float("inf"):
-            t += rng.expovariate(rate)
-    start = time.perf_counter()
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=3600) as client:
-        await asyncio.gather(*(one(client, item, d) for item, d in zip(requests, delays)))
-    wall = time.perf_counter() - start
-    return {
-        "wall_s": round(wall, 3),
-        "output_tokens": sum(tokens),
-        "output_tokens_per_s": round(sum(tokens) / wall, 2),
-        **percentiles(ttfts, "ttft"),
-        **percentiles(gaps, "itl"),
-        **percentiles(latencies, "e2e"),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", required=True)
@@ -209,7 +144,7 @@ def main() -> int:
         with vllm_server(args.vllm_python, dtype, config.max_model_len or 8192) as url:
             result["vllm_served"] = asyncio.run(replay(url, requests, args.request_rate, args.seed, "default"))
         ours, theirs = result["served"], result["vllm_served"]
-        for key in ("itl_p50_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s"):
+        for key in ("itl_p50_s", "itl_p99_s", "e2el_p50_s", "e2el_p99_s", "ttft_p50_s"):
             if key in ours and key in theirs and theirs[key] > 0:
                 result[f"pagedllm_over_vllm_{key}"] = round(ours[key] / theirs[key], 3)
     print_result(result, args.output)

@@ -30,7 +30,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from pagedllm.bench import load_workload, print_result, run_on_engine
+from pagedllm.bench import print_result, run_on_engine
+from pagedllm.bench_datasets import load_workload
 from pagedllm.config import EngineConfig
 from pagedllm.cpu_kernels import cpu_summary
 from pagedllm.engine import LLMEngine, resolve_dtype

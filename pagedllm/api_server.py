@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullErro
 from pagedllm.dashboard import dashboard_html, dashboard_state, engine_state
 from pagedllm.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse_body
 from pagedllm.openai_responses import ChoiceTracker, new_id
+from pagedllm.server_log import ServerLog
 from pagedllm.server_metrics import ServerMetrics
 from pagedllm.tokenizer import Tokenizer
 
@@ -85,7 +87,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     """
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
+    engine.step_observers.append(ServerLog().observe_step)
     max_model_len = engine.engine.max_model_len
+    created = int(time.time())  # /v1/models' `created`: when this server loaded the model
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -190,8 +194,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         check_key(request)
-        card = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "pagedllm"}
-        return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
+        card = {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "pagedllm"}
+        extensions = {"max_model_len": max_model_len, "vocab_size": engine.engine.model_config.vocab_size}
+        return {"object": "list", "data": [{**card, **extensions}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -23,36 +23,6 @@ def print_result(result: dict, output: str | Path | None = None) -> None:
         Path(output).write_text(text + "\n")
 
 
-def load_workload(path: str | Path, num_requests: int | None = None) -> list[dict]:
-    requests = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                requests.append(
-                    {
-                        "id": str(item["id"]),
-                        "prompt_token_ids": list(item["prompt_token_ids"]),
-                        "max_tokens": int(item["max_tokens"]),
-                        # optional: samples per request and how they are drawn (default: one, greedy)
-                        "n": int(item.get("n", 1)),
-                        "temperature": float(item.get("temperature", 0.0)),
-                        "seed": None if item.get("seed") is None else int(item["seed"]),
-                    }
-                )
-            except (KeyError, TypeError, ValueError) as error:
-                raise ValueError(f"{path}:{line_no}: not a workload line ({error})") from None
-    if num_requests is not None:
-        if num_requests < 1:
-            raise ValueError(f"--num-requests must be at least 1, got {num_requests}")
-        requests = requests[:num_requests]
-    if not requests:
-        raise ValueError(f"{path} holds no requests")
-    return requests
-
-
 def run_bench(config: EngineConfig, requests: list[dict], ignore_eos: bool = True) -> dict:
     with LLMEngine(config) as engine:
         return run_on_engine(engine, requests, ignore_eos)

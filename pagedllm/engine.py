@@ -31,6 +31,12 @@ from pagedllm.request import FinishReason, Request
 from pagedllm.request_group import RequestGroup, text_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.startup_checks import (
+    available_memory_bytes,
+    check_kv_cache_memory,
+    check_max_model_len,
+    fit_max_model_len,
+)
 from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size, shard_hf_weights
 from pagedllm.thread_control import AdaptiveThreads
 from pagedllm.tokenizer import Tokenizer
@@ -89,10 +95,40 @@ class RankModel:
 def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     path = resolve_model_path(config.model)
     dtype = resolve_dtype(config.dtype)
+    # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
+    # (possibly on other machines) each check their own share.
+    if config.distributed_init_method is not None:
+        check_kv_cache_memory(config.kv_cache_memory // tp.size, available_memory_bytes())
+    elif tp.rank == 0:
+        check_kv_cache_memory(config.kv_cache_memory, available_memory_bytes())
     model_config, weights = load_weights(path)
     check_tensor_parallel_size(model_config, tp.size)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
     shard = ShardLayout.for_rank(model_config, tp)
+
+    c = model_config
+    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
+    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
+    block_bytes = bytes_per_token * tp.size * config.block_size
+    num_blocks = config.kv_cache_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
+            f"({block_bytes} bytes each)"
+        )
+    fitted = fit_max_model_len(
+        max_model_len, config.max_model_len is not None, num_blocks, config.block_size, block_bytes
+    )
+    if fitted < max_model_len and tp.rank == 0:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than the model's context length of %d: max model length lowered "
+            "to %d (raise --kv-cache-memory for longer requests)",
+            num_blocks * config.block_size,
+            max_model_len,
+            fitted,
+        )
+    max_model_len = fitted
+
     attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
     # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
@@ -102,16 +138,6 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
     del weights
     return_freed_memory()
-
-    c = model_config
-    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
-    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
-    num_blocks = config.kv_cache_memory // (bytes_per_token * tp.size * config.block_size)
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
-            f"({bytes_per_token * tp.size * config.block_size} bytes each)"
-        )
     return RankModel(model, model_config, path, dtype, linear_backend, max_model_len, num_blocks, bytes_per_token)
 
 

@@ -63,7 +63,20 @@ def resolve_model_path(model: str | None) -> Path:
         raise ValueError(f"{model!r} holds no config.json (and not exactly one .gguf file)")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{model!r} is a file but not a .gguf; pass a checkpoint directory or a .gguf file")
+    if path.is_file():
+        check_gguf_magic(path)
     return path
+
+
+def check_gguf_magic(path: Path) -> None:
+    """A .gguf file starts with the bytes 'GGUF'; say so with the file's name rather than the
+    gguf library's bare 'GGUF magic invalid'."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ValueError(
+            f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF' (a truncated download, or another format)"
+        )
 
 
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -71,6 +84,15 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if path.suffix == ".gguf":
         return _load_gguf(path)
     return _load_hf_dir(path)
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model's shape alone, without reading its weights (the GGUF header, or config.json)."""
+    if path.suffix == ".gguf":
+        import gguf
+
+        return _gguf_config(gguf.GGUFReader(str(path)), path)
+    return config_from_hf_dict(json.loads((path / "config.json").read_text()))
 
 
 # --- Hugging Face checkpoint directory -------------------------------------------------

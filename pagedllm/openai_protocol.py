@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParamError, SamplingParams
 
 
 class APIError(Exception):
@@ -42,12 +42,20 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def validation_error(error: ValidationError) -> APIError:
-    """The first problem pydantic found, as a 400 naming the field."""
+    """The first problem pydantic found, as a 400 naming the field.
+
+    `param` is the body's field (`prompt`, `messages.0.content`); pydantic's locations
+    also name the union member it tried (`prompt.str`, `prompt.list[int]`), which a client
+    never wrote, so those parts are dropped."""
     first = error.errors(include_url=False)[0]
-    where = ".".join(str(part) for part in first["loc"])
+    where = ".".join(str(part) for part in first["loc"] if not _is_type_name(part))
     got = first.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return bad_request(f"{where or 'body'}: {first['msg']} (got {shown})", param=where or None)
+
+
+def _is_type_name(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 class StreamOptions(BaseModel):
@@ -105,8 +113,8 @@ class _SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
             )
-        except ValueError as error:
-            raise bad_request(str(error)) from None
+        except SamplingParamError as error:
+            raise bad_request(str(error), error.param) from None
 
 
 class CompletionRequest(_SamplingRequest):

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 MAX_N = 256  # samples per request: each is a sequence with its own blocks once it diverges
 
 
+class SamplingParamError(ValueError):
+    """A bad sampling setting; `param` names the field (the server reports it as OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"invalid sampling parameter: {message}")
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -51,8 +59,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(message: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter: {message}")
+        def bad(message: str) -> SamplingParamError:
+            return SamplingParamError(message.split(" ", 1)[0], message)  # every message starts with its field
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise bad(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")

@@ -106,3 +106,91 @@ def test_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "Rome" in out
+
+
+def test_version_and_help_with_defaults(capsys):
+    from pagedllm import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"pagedllm {__version__}"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 8000)" in text and "(default: 4GiB)" in text and "(default: 4096)" in text
+
+
+def test_serve_takes_the_model_as_a_positional_argument(tmp_path, capsys):
+    from pagedllm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "my-model.gguf", "--port", "9"])
+    assert args.model_positional == "my-model.gguf" and args.model is None
+    assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "   "], "the prompt is empty"),
+        (["generate", "hi", "--max-tokens", "100000"], "--max-tokens 100000 plus the prompt's"),
+        (["generate", "hi", "--max-model-len", "100000"], "longer than this model's context length of 8192"),
+        (["generate", "hi", "--kv-cache-memory", "100TiB"], "more than this machine can give the KV cache"),
+        (["bench"], "pass either --workload FILE or --dataset"),
+        (["bench", "--dataset", "random", "--num-prompts", "0"], "--num-prompts must be at least 1"),
+    ],
+)
+def test_settings_that_cannot_work_are_clear_errors(argv, message, capsys):
+    assert main(argv + ["--dtype", "float32", "--log-level", "WARNING"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_file_that_is_not_gguf_is_named(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>not found</html>")
+    assert main(["generate", "hi", "--model", str(fake), "--log-level", "WARNING"]) == 2
+    assert f"{fake} is not a GGUF file" in capsys.readouterr().err
+
+
+def test_bench_draws_a_dataset(tmp_path, capsys):
+    saved = tmp_path / "w.jsonl"
+    argv = ["bench", "--dataset", "random", "--num-prompts", "4", "--input-len", "32", "--output-len", "8"]
+    argv += [
+        "--save-workload",
+        str(saved),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--log-level",
+        "WARNING",
+    ]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"].startswith("random(num_prompts=4, input_len=32, output_len=8")
+    assert result["requests"] == 4 and result["prompt_tokens"] == 4 * 32 and result["output_tokens"] == 4 * 8
+    assert len(saved.read_text().splitlines()) == 4
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(monkeypatch, capsys):
+    import io
+
+    from pagedllm.engine import LLMEngine
+
+    real_step, calls = LLMEngine.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 3:  # the user presses Ctrl-C during the first reply
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a long story.\nWhat is the capital of France?\n"))
+    code = main(
+        ["chat", "--max-tokens", "20", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
+    )
+    assert code == 0  # Ctrl-D after the second question ends the chat normally
+    captured = capsys.readouterr()
+    assert "[stopped]" in captured.err and "Paris" in captured.out
+    assert "Traceback" not in captured.err

@@ -32,13 +32,29 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_request_that_can_never_fit_the_cache_is_rejected(make_llm):
-    llm = make_llm(kv_cache_memory="8MiB")  # 11 blocks of 16 tokens in float32
+def test_a_cache_smaller_than_the_context_lowers_max_model_len(make_llm, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = make_llm(kv_cache_memory="8MiB")  # 11 blocks of 16 tokens in float32
     capacity = llm.engine.kv_cache.num_tokens_capacity
-    with pytest.raises(ValueError, match="can never fit"):
-        llm.generate([[5] * 10], SamplingParams(max_tokens=capacity))
+    assert capacity == 176 and llm.engine.max_model_len == capacity
+    assert "max model length lowered to 176" in caplog.text
+    with pytest.raises(ValueError, match="maximum model length is 176"):
+        llm.generate([[5] * 176])
     out = llm.generate([[5] * 10], SamplingParams(max_tokens=capacity - 10, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == capacity - 10  # exactly filling the cache is fine
+
+
+def test_settings_that_cannot_work_are_refused_at_start():
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="longer than this model's context length of 8192"):
+        LLM(dtype="float32", max_model_len=100_000)
+    with pytest.raises(ValueError, match=r"more than this machine can give the KV cache.*MemAvailable"):
+        LLM(dtype="float32", kv_cache_memory="100TiB")
+    with pytest.raises(
+        ValueError, match=r"fewer than one request of max_model_len 4096: pass --kv-cache-memory 180MiB"
+    ):
+        LLM(dtype="float32", kv_cache_memory="8MiB", max_model_len=4096)
 
 
 def test_abort_frees_blocks_at_once(llm):

@@ -7,6 +7,7 @@ expected texts come from the offline engine on the same weights.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -48,7 +49,13 @@ def assert_all_blocks_free(server) -> dict:
 
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    import time
+
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert 0 < time.time() - models[0].created < 3600  # when the server loaded the model
+    card = httpx.get(server.v1 + "/models", headers=server.headers()).json()["data"][0]
+    assert card["max_model_len"] == 2912 and card["vocab_size"] == 49152
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
@@ -201,8 +208,10 @@ BAD_INPUTS = [
     ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
     ("penalty", "/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, None, 400, "frequency_penalty"),
     ("unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, None, 404, "gpt-9"),
-    ("too-long-prompt", "/v1/completions", {"prompt": [42] * 9000}, None, 400, "8192"),
-    ("never-fits", "/v1/completions", {"prompt": "hi", "max_tokens": 8000}, None, 400, "never fit"),
+    # 128 MiB of float32 KV holds 2,912 tokens: the server lowered its maximum model length to that at start
+    ("too-long-prompt", "/v1/completions", {"prompt": [42] * 9000}, None, 400, "maximum context length is 2912"),
+    ("over-the-cache", "/v1/completions", {"prompt": "hi", "max_tokens": 8000}, None, 400, "length of 2912"),
+    ("prompt-number", "/v1/completions", {"prompt": 5}, None, 400, "prompt"),
     ("no-key", "/v1/completions", {"prompt": "hi"}, {}, 401, "missing API key"),
     ("wrong-key", "/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer nope"}, 401, "wrong API key"),
     ("oversized-body", "/v1/completions", b"x" * (5 * 2**20), None, 413, "larger than the limit"),
@@ -210,10 +219,29 @@ BAD_INPUTS = [
 ]
 
 
+# The `param` each error names: the request body's field a client has to fix.
+BAD_PARAMS = {
+    "wrong-type": "max_tokens",
+    "negative-max-tokens": "max_tokens",
+    "huge-max-tokens": "max_tokens",
+    "over-the-cache": "max_tokens",
+    "n-zero": "n",
+    "top-p-two": "top_p",
+    "temperature-negative": "temperature",
+    "prompt-number": "prompt",
+    "too-long-prompt": "prompt",
+    "bad-role": "messages.0.role",
+    "penalty": "frequency_penalty",
+    "unknown-model": "model",
+}
+
+
 @pytest.mark.parametrize(
-    "path,body,headers,status,words", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+    "path,body,headers,status,words,param",
+    [(*case[1:], BAD_PARAMS.get(case[0])) for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
 )
-def test_bad_input_gets_its_4xx_and_the_server_goes_on(server, client, path, body, headers, status, words):
+def test_bad_input_gets_its_4xx_and_the_server_goes_on(server, client, path, body, headers, status, words, param):
     sent_headers = server.headers() if headers is None else headers
     if isinstance(body, bytes):
         response = httpx.post(server.url + path, content=body, headers=sent_headers, timeout=60)
@@ -223,6 +251,8 @@ def test_bad_input_gets_its_4xx_and_the_server_goes_on(server, client, path, bod
     error = response.json()["error"]
     assert words.lower() in error["message"].lower()
     assert {"message", "type", "param", "code"} <= set(error)
+    if param is not None:
+        assert error["param"] == param
     # ...and the next correct request is answered correctly.
     ok = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length" and len(ok.choices[0].text) > 0
@@ -305,3 +335,19 @@ def test_soak_400_requests_a_quarter_cancelled(server):
     assert httpx.get(server.url + "/health").status_code == 200
     answer = httpx.post(server.v1 + "/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=server.headers())
     assert answer.status_code == 200
+
+
+def test_bench_serve_measures_the_running_server(server, capsys):
+    from pagedllm.cli import main
+
+    argv = ["bench", "serve", "--url", server.v1, "--api-key", API_KEY, "--dataset", "random", "--num-prompts", "6"]
+    argv += ["--input-len", "24", "--output-len", "5", "--request-rate", "20", "--goodput", "ttft:60000", "e2el:1"]
+    assert main(argv + ["--log-level", "WARNING"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == MODEL and result["completed"] == 6 and result["failed"] == 0
+    assert result["prompt_tokens"] == 6 * 24 and result["output_tokens"] == 6 * 5
+    for key in ("ttft_p50_s", "itl_p50_s", "tpot_p99_s", "e2el_p90_s", "output_tokens_per_s"):
+        assert result[key] > 0, key
+    assert result["goodput_slos_ms"] == {"ttft": 60000.0, "e2el": 1.0}
+    assert result["good_requests"] == 0  # no request ends within 1 ms
+    assert_all_blocks_free(server)
