@@ -15,7 +15,7 @@ Datasets (every length drawn independently per request):
   like `random`'s.  This is what prefix caching is for.
 - `sharegpt-like`: log-normal lengths with a heavy tail, as in conversations
   collected from chat users (ShareGPT): prompt and output lengths with means
-  `input_len` and `output_len`, spread sigma 1.0 and 0.8, clipped to
+  `input_len` and `output_len` before clipping, spread sigma 1.0 and 0.8, clipped to
   [4, 4 × mean].
 """
 

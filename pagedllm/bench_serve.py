@@ -190,6 +190,26 @@ async def served_model(base_url: str, api_key: str) -> str:
 DEFAULT_VOCAB_SIZE = 32000  # the smallest common vocabulary (llama 2, mistral): its ids are valid almost everywhere
 
 
+def wait_until_ready(base_url: str, api_key: str, timeout_s: float) -> None:
+    """Poll /models until the server answers (it may still be loading its model)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+            if response.status_code == 200:
+                return
+            problem = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status_code in (401, 403, 404):
+                raise ValueError(f"{base_url}/models answered {problem}")
+        except httpx.TransportError as error:
+            problem = f"{type(error).__name__}: {error}"
+        if time.monotonic() > deadline:
+            raise ValueError(f"the server at {base_url} did not answer within {timeout_s:.0f} s ({problem})")
+        time.sleep(1.0)
+
+
 def server_vocab_size(base_url: str, api_key: str) -> int:
     """The vocabulary size a server reports in /v1/models (pagedllm does; others may not)."""
     import httpx

@@ -326,12 +326,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from pagedllm.bench import print_result
-    from pagedllm.bench_serve import parse_goodput, replay, server_vocab_size
+    from pagedllm.bench_serve import parse_goodput, replay, server_vocab_size, wait_until_ready
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     slos = parse_goodput(args.goodput)
     url = args.url.rstrip("/")
+    wait_until_ready(url, args.api_key, args.ready_timeout)
     requests, workload_name = bench_requests(args, lambda: server_vocab_size(url, args.api_key))
     if any(r.get("n", 1) != 1 or r.get("temperature", 0.0) != 0.0 for r in requests):
         raise ValueError("bench serve replays greedy single-sample requests (no n or temperature in the workload)")
@@ -480,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--api-key", default="unused", help="sent as 'Authorization: Bearer KEY'")
     q.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)"
+    )
+    q.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for the server to answer /v1/models"
     )
     q.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     q.add_argument(
