@@ -16,10 +16,10 @@ import argparse
 import random
 import time
 
-from pagedllm.bench import print_result
+from pagedllm.benchmarking.throughput import print_result
 from pagedllm.config import EngineConfig
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pagedllm.bench import print_result, run_on_engine
-from pagedllm.bench_datasets import load_workload
+from pagedllm.benchmarking.datasets import load_workload
+from pagedllm.benchmarking.throughput import print_result, run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.model_loader import default_model_path
+from pagedllm.models.loader import default_model_path
 
 
 @torch.inference_mode()

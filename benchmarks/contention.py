@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.cpu_kernels import cpu_summary
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.thread_control import AdaptiveThreads, allowed_cpus
+from pagedllm.execution.cpu_kernels import cpu_summary
+from pagedllm.execution.thread_control import AdaptiveThreads, allowed_cpus
 
 BUSY_LOOP = "while True: pass"
 

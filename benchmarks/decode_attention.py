@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from pagedllm.attention import build_attention_metadata, cpp_attention, torch_attention
+from pagedllm.execution.attention import cpp_attention, torch_attention
+from pagedllm.execution.attention_metadata import build_attention_metadata
 
 
 def main() -> None:

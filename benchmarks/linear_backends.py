@@ -3,7 +3,7 @@
     python benchmarks/linear_backends.py
 
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
-weight reordered once (`pagedllm/linear.py`).  float32; GFLOP/s, the two
+weight reordered once (`pagedllm/execution/linear.py`).  float32; GFLOP/s, the two
 backends interleaved round by round.
 """
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagedllm.linear import Linear, onednn_supports
+from pagedllm.execution.linear import Linear, onednn_supports
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 

@@ -16,7 +16,7 @@ import argparse
 import gc
 import random
 
-from pagedllm.bench import print_result, run_on_engine
+from pagedllm.benchmarking.throughput import print_result, run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 

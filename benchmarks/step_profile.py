@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.cpu_kernels import cpu_summary
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.execution.cpu_kernels import cpu_summary
 
 
 def timed(totals: dict[str, float], name: str, fn):

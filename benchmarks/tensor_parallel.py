@@ -36,15 +36,15 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 
 
 def make_tiny_llama(folder: Path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedllm.model_loader import default_model_path
-    from pagedllm.tokenizer import Tokenizer
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.text.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -30,13 +30,14 @@ import textwrap
 import time
 from pathlib import Path
 
-from pagedllm.bench import print_result, run_on_engine
-from pagedllm.bench_datasets import load_workload
+from pagedllm.benchmarking.datasets import load_workload
+from pagedllm.benchmarking.throughput import print_result, run_on_engine
 from pagedllm.config import EngineConfig
-from pagedllm.cpu_kernels import cpu_summary
-from pagedllm.engine import LLMEngine, resolve_dtype
-from pagedllm.model_loader import default_model_path
-from pagedllm.tokenizer import _cache_dir
+from pagedllm.engine import LLMEngine
+from pagedllm.execution.cpu_kernels import cpu_summary
+from pagedllm.execution.rank_model import resolve_dtype
+from pagedllm.models.loader import default_model_path
+from pagedllm.text.tokenizer import _cache_dir
 
 VLLM_RUNNER = textwrap.dedent(
     """

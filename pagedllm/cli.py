@@ -145,7 +145,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
 
 
 def sampling_params(args: argparse.Namespace):
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.core.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,
@@ -238,7 +238,7 @@ def check_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> No
 
 def add_request_args(parser: argparse.ArgumentParser) -> None:
     """Where a benchmark's requests come from: a JSONL workload file or a synthetic dataset."""
-    from pagedllm.bench_datasets import DATASETS, DatasetSpec
+    from pagedllm.benchmarking.datasets import DATASETS, DatasetSpec
 
     defaults = DatasetSpec.__dataclass_fields__
     g = parser.add_argument_group("requests (one of --workload or --dataset)")
@@ -272,7 +272,7 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
 
 def bench_requests(args: argparse.Namespace, vocab_size: Callable[[], int]) -> tuple[list[dict], str]:
     """The requests the flags name, and a name for them; `vocab_size` is asked only for a dataset."""
-    from pagedllm.bench_datasets import DatasetSpec, generate_dataset, load_workload, save_workload
+    from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
 
     if (args.workload is None) == (args.dataset is None):
         raise ValueError("pass either --workload FILE or --dataset random|shared-prefix|sharegpt-like")
@@ -296,9 +296,10 @@ def bench_requests(args: argparse.Namespace, vocab_size: Callable[[], int]) -> t
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pagedllm.bench import print_result, run_bench
-    from pagedllm.bench_report import parse_list, parse_on_off, run_compare, settings_grid
-    from pagedllm.model_loader import read_model_config, resolve_model_path
+    from pagedllm.benchmarking.report import run_compare
+    from pagedllm.benchmarking.settings import parse_list, parse_on_off, settings_grid
+    from pagedllm.benchmarking.throughput import print_result, run_bench
+    from pagedllm.models.loader import read_model_config, resolve_model_path
 
     block_sizes = parse_list(args.block_size, int)
     layouts = parse_list(args.compare) if args.compare else [args.kv_layout]
@@ -325,8 +326,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pagedllm.bench import print_result
-    from pagedllm.bench_serve import parse_goodput, replay, server_vocab_size, wait_until_ready
+    from pagedllm.benchmarking.serve import parse_goodput, replay, server_vocab_size, wait_until_ready
+    from pagedllm.benchmarking.throughput import print_result
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
@@ -348,12 +349,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from pagedllm.api_server import ServerSettings, build_app
-    from pagedllm.async_engine import AsyncLLMEngine
     from pagedllm.config import parse_bytes
     from pagedllm.engine import LLMEngine
-    from pagedllm.model_loader import resolve_model_path
-    from pagedllm.tokenizer import Tokenizer
+    from pagedllm.models.loader import resolve_model_path
+    from pagedllm.serving.api_server import ServerSettings, build_app
+    from pagedllm.serving.async_engine import AsyncLLMEngine
+    from pagedllm.text.tokenizer import Tokenizer
 
     if args.model_positional is not None:
         if args.model is not None and args.model != args.model_positional:

@@ -3,61 +3,34 @@
 from __future__ import annotations
 
 import atexit
-import ctypes
-import gc
 import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pagedllm.attention import select_attention
-from pagedllm.beam_search import BeamSearchState
 from pagedllm.config import EngineConfig
-from pagedllm.contiguous_kv import ContiguousKVCacheManager
-from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.distributed import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
-from pagedllm.fused_ops import select_ops
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.kv_metrics import KVMemoryTracker
-from pagedllm.linear import resolve_linear_backend
-from pagedllm.model import LlamaModel
-from pagedllm.model_loader import ModelConfig, load_weights, resolve_model_path
-from pagedllm.model_runner import ModelRunner, ModelRunnerOutput
-from pagedllm.outputs import RequestOutput
-from pagedllm.request import FinishReason, Request
-from pagedllm.request_group import RequestGroup, text_token_ids
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler, SchedulerOutput
-from pagedllm.startup_checks import (
-    available_memory_bytes,
-    check_kv_cache_memory,
-    check_max_model_len,
-    fit_max_model_len,
+from pagedllm.core.beam_search import BeamSearchState
+from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_metrics import KVMemoryTracker
+from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.request import FinishReason, Request
+from pagedllm.core.request_group import RequestGroup, text_token_ids
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
+from pagedllm.distributed.tensor_parallel import (
+    TensorParallel,
 )
-from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size, shard_hf_weights
-from pagedllm.thread_control import AdaptiveThreads
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.execution.thread_control import AdaptiveThreads
+from pagedllm.text.detokenizer import IncrementalDetokenizer
+from pagedllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where bfloat16 matmuls beat float32 (AVX512-BF16 or AMX); measured in docs/dtype.md."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 @dataclass
@@ -65,80 +38,6 @@ class EngineStats:
     steps: int = 0
     peak_running: int = 0
     kv_peak_blocks_used: int = 0
-
-
-def return_freed_memory() -> None:
-    """Give the checkpoint's freed pages back to the OS (glibc keeps them otherwise): SmolLM2's
-    ranks at tensor-parallel size 3, which dequantize the whole GGUF to keep a third of it,
-    measured 1011-1044 MiB RSS before, 463-551 after (benchmarks/tensor_parallel.py)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-@dataclass
-class RankModel:
-    """One rank's slice of the model, loaded, and the KV cache size every rank shares."""
-
-    model: LlamaModel
-    model_config: ModelConfig
-    path: Path
-    dtype: torch.dtype
-    linear_backend: str
-    max_model_len: int
-    num_blocks: int
-    bytes_per_token: int  # KV bytes of one token on this rank (all layers, K and V)
-
-
-def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
-    path = resolve_model_path(config.model)
-    dtype = resolve_dtype(config.dtype)
-    # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
-    # (possibly on other machines) each check their own share.
-    if config.distributed_init_method is not None:
-        check_kv_cache_memory(config.kv_cache_memory // tp.size, available_memory_bytes())
-    elif tp.rank == 0:
-        check_kv_cache_memory(config.kv_cache_memory, available_memory_bytes())
-    model_config, weights = load_weights(path)
-    check_tensor_parallel_size(model_config, tp.size)
-    max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
-    shard = ShardLayout.for_rank(model_config, tp)
-
-    c = model_config
-    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
-    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
-    block_bytes = bytes_per_token * tp.size * config.block_size
-    num_blocks = config.kv_cache_memory // block_bytes
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
-            f"({block_bytes} bytes each)"
-        )
-    fitted = fit_max_model_len(
-        max_model_len, config.max_model_len is not None, num_blocks, config.block_size, block_bytes
-    )
-    if fitted < max_model_len and tp.rank == 0:
-        logger.warning(
-            "the KV cache holds %d tokens, fewer than the model's context length of %d: max model length lowered "
-            "to %d (raise --kv-cache-memory for longer requests)",
-            num_blocks * config.block_size,
-            max_model_len,
-            fitted,
-        )
-    max_model_len = fitted
-
-    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
-    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
-    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
-    model = LlamaModel(model_config, dtype, max_model_len, attention, tp, ops)
-    linear_backend = resolve_linear_backend(config.linear, dtype)
-    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
-    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
-    del weights
-    return_freed_memory()
-    return RankModel(model, model_config, path, dtype, linear_backend, max_model_len, num_blocks, bytes_per_token)
 
 
 class LLMEngine:
@@ -151,7 +50,7 @@ class LLMEngine:
             if config.distributed_init_method:
                 tp = external_rank(config)
             if tp.rank != 0:  # a launcher started this process as a worker: serve rank 0's steps, then leave
-                from pagedllm.tp_worker import run_worker
+                from pagedllm.distributed.worker import run_worker
 
                 run_worker(config, tp)
                 raise SystemExit(0)

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]

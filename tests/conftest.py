@@ -9,20 +9,20 @@ import functools
 import pytest
 import torch
 
-import pagedllm.engine
+import pagedllm.execution.rank_model
 from pagedllm import LLM
-from pagedllm.model_loader import default_model_path
+from pagedllm.models.loader import default_model_path
 
-_cached_load = functools.cache(pagedllm.engine.load_weights)
+_cached_load = functools.cache(pagedllm.execution.rank_model.load_weights)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _share_loaded_weights():
     """Every engine in the test session copies from one dequantized state dict."""
-    original = pagedllm.engine.load_weights
-    pagedllm.engine.load_weights = _cached_load
+    original = pagedllm.execution.rank_model.load_weights
+    pagedllm.execution.rank_model.load_weights = _cached_load
     yield
-    pagedllm.engine.load_weights = original
+    pagedllm.execution.rank_model.load_weights = original
 
 
 def assert_no_blocks_held(llm: LLM) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.request import Request
-from pagedllm.scheduler import ScheduledRequest
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import ScheduledRequest
 
 
 @torch.inference_mode()
@@ -47,13 +47,19 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 def save_random_llama(path, **config) -> torch.nn.Module:
     """A random-weight llama (seed 0) with the SmolLM2 tokenizer, saved as a Hugging Face
     checkpoint directory at `path`; `config` are LlamaConfig fields.  Returns the HF model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return save_random_model(path, "llama", **config)
 
-    from pagedllm.model_loader import default_model_path
-    from pagedllm.tokenizer import Tokenizer
+
+def save_random_model(path, model_type: str, **config) -> torch.nn.Module:
+    """As `save_random_llama`, for any architecture transformers knows by `model_type`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.text.tokenizer import Tokenizer
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, eos_token_id=2, bos_token_id=1, **config)).eval()
+    hf_config = AutoConfig.for_model(model_type, vocab_size=49152, eos_token_id=2, bos_token_id=1, **config)
+    model = AutoModelForCausalLM.from_config(hf_config).eval()
     model.save_pretrained(path)
     Tokenizer(default_model_path()).hf.save_pretrained(path)
     return model

@@ -96,10 +96,10 @@ def serve_in_process(engine, max_waiting: int | None = None, api_key: str | None
     """The app around `engine` (an LLMEngine) under uvicorn on a thread; yields (Server, AsyncLLMEngine)."""
     import uvicorn
 
-    from pagedllm.api_server import ServerSettings, build_app
-    from pagedllm.async_engine import AsyncLLMEngine
-    from pagedllm.model_loader import default_model_path
-    from pagedllm.tokenizer import Tokenizer
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.serving.api_server import ServerSettings, build_app
+    from pagedllm.serving.async_engine import AsyncLLMEngine
+    from pagedllm.text.tokenizer import Tokenizer
 
     async_engine = AsyncLLMEngine(engine, max_waiting)
     app = build_app(async_engine, Tokenizer(default_model_path()), ServerSettings(MODEL, api_key))

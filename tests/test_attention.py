@@ -7,13 +7,13 @@ import platform
 import pytest
 import torch
 
-from pagedllm.attention import (
-    build_attention_metadata,
+from pagedllm.execution.attention import (
     cpp_attention,
     reference_attention,
     torch_attention,
     write_kv,
 )
+from pagedllm.execution.attention_metadata import build_attention_metadata
 
 FAST_PATHS = [torch_attention, cpp_attention]
 
@@ -51,7 +51,8 @@ def make_batch(seed, block_size, kv_heads, group, head_dim, shapes, dtype=torch.
     return q, cache, meta, contiguous
 
 
-def plain_attention(q, contiguous, shapes, group):
+def plain_attention(q, contiguous, shapes, group, window=0):
+    """Attention on each request's contiguous K/V, masked by hand (causal, and the window when given)."""
     outs, row = [], 0
     for (k, v), (ctx, new) in zip(contiguous, shapes):
         qi = q[row : row + new].float().transpose(0, 1)
@@ -59,6 +60,8 @@ def plain_attention(q, contiguous, shapes, group):
         vv = v.float().repeat_interleave(group, 1).transpose(0, 1)
         scores = qi @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
         mask = torch.ones(new, ctx + new, dtype=torch.bool).tril(ctx)
+        if window:
+            mask &= ~torch.ones(new, ctx + new, dtype=torch.bool).tril(ctx - window)
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append((scores.softmax(-1) @ vv).transpose(0, 1).reshape(new, -1))
         row += new
@@ -95,7 +98,7 @@ def test_fast_paths_match_reference_bfloat16(attention):
 
 
 def test_cpp_kernel_builds_here():
-    from pagedllm.cpu_kernels import load_cpu_kernels
+    from pagedllm.execution.cpu_kernels import load_cpu_kernels
 
     assert load_cpu_kernels() is not None, "the C++ kernels should build on this machine (g++)"
 
@@ -123,7 +126,7 @@ def _older_instruction_sets() -> list[str]:
     """-march targets this CPU can run that leave out some of its kernel paths."""
     if platform.machine() != "x86_64":
         return []
-    from pagedllm.cpu_kernels import cpu_flags
+    from pagedllm.execution.cpu_kernels import cpu_flags
 
     return ["haswell"] + (["skylake-avx512"] if "avx512f" in cpu_flags().split() else [])
 
@@ -136,8 +139,8 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     run; they must agree with the reference too."""
     import ctypes
 
-    import pagedllm.attention as attention_module
-    from pagedllm.cpu_kernels import CpuKernels, build_library
+    import pagedllm.execution.attention as attention_module
+    from pagedllm.execution.cpu_kernels import CpuKernels, build_library
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
@@ -147,3 +150,34 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     expected = reference_attention(q, cache, meta).float()
     torch.testing.assert_close(cpp_attention(q, cache, meta).float(), expected, atol=tol, rtol=tol)
+
+
+WINDOWED = [(0, 1), (5, 1), (0, 37), (33, 1), (16, 16), (40, 9), (0, 64), (127, 1), (70, 30), (64, 1), (200, 3)]
+
+
+@pytest.mark.parametrize("attention", FAST_PATHS)
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("block_size,kv_heads,group", [(16, 3, 3), (8, 1, 8), (32, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_reference_and_never_reads_older_slots(
+    attention, window, block_size, kv_heads, group, dtype
+):
+    """Every path sees only the last `window` positions: equal to the reference and to a
+    hand-masked contiguous attention, with NaN in every slot older than every window."""
+    q, cache, meta, contiguous = make_batch(window + block_size, block_size, kv_heads, group, 64, WINDOWED, dtype)
+    expected = reference_attention(q, cache, meta, window)
+    torch.testing.assert_close(
+        expected.float(),
+        plain_attention(q, contiguous, WINDOWED, group, window).to(dtype).float(),
+        atol=2e-2,
+        rtol=2e-2,
+    )
+    assert not torch.allclose(expected.float(), reference_attention(q, cache, meta).float(), atol=1e-3)
+    # Slots no query can see any more (older than the first new token's window) become NaN.
+    visible = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool)
+    for table, seq_len, (ctx, _) in zip(meta.block_tables.tolist(), meta.seq_lens, WINDOWED):
+        first = max(0, ctx - window + 1)
+        visible[[table[p // block_size] * block_size + p % block_size for p in range(first, seq_len)]] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~visible] = float("nan")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attention(q, cache, meta, window).float(), expected.float(), atol=tol, rtol=tol)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.beam_search import BeamSearchState
+from pagedllm.core.beam_search import BeamSearchState
 from tests.conftest import assert_no_blocks_held
 
 EOS = 0

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pagedllm.bench_datasets import DatasetSpec, generate_dataset, load_workload, save_workload, summarize
-from pagedllm.bench_serve import RequestTiming, arrival_times, parse_goodput, percentiles
+from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload, summarize
+from pagedllm.benchmarking.serve import RequestTiming, arrival_times, parse_goodput, percentiles
 
 
 def test_random_dataset_lengths_ids_and_seed():

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.block_pool import BlockPool, NoFreeBlocksError
-from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.core.block_pool import BlockPool, NoFreeBlocksError
+from pagedllm.core.kv_cache_manager import KVCacheManager
 
 
 def test_allocate_and_free_round_trip():

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.contiguous_kv import ContiguousKVCacheManager
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.scheduler import Scheduler
 from tests.test_scheduler import make_request, run_step
 
 

@@ -1,6 +1,6 @@
 """Incremental detokenization with a stand-in tokenizer (one character per id)."""
 
-from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.text.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:

@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.request import FinishReason, Request
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import FinishReason, Request
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler
 from tests.test_block_pool import assert_counts_equal_holders
 
 

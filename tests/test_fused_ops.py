@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.cpu_kernels import load_cpu_kernels
-from pagedllm.fused_ops import CppOps, Rotary, TorchOps, select_ops
+from pagedllm.execution.cpu_kernels import load_cpu_kernels
+from pagedllm.execution.fused_ops import CppOps, Rotary, TorchOps, select_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -85,7 +85,7 @@ def test_select_ops() -> None:
 def test_small_batch_gemv_and_the_linear_that_routes_to_it(
     cpp: CppOps, rows: int, out_features: int, in_features: int
 ) -> None:
-    from pagedllm.linear import GEMV_MAX_ROWS, Linear
+    from pagedllm.execution.linear import GEMV_MAX_ROWS, Linear
 
     if cpp.gemv is None:
         pytest.skip("no AVX512-BF16 on this CPU: the GEMV kernel is not built")

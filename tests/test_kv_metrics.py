@@ -2,10 +2,10 @@
 
 import pytest
 
-from pagedllm.contiguous_kv import ContiguousKVCacheManager
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.kv_metrics import KVMemoryTracker
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_metrics import KVMemoryTracker
+from pagedllm.core.scheduler import Scheduler
 from tests.test_scheduler import make_request, run_step
 
 

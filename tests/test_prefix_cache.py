@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.kv_cache_manager import KVCacheManager, block_key
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.kv_cache_manager import KVCacheManager, block_key
+from pagedllm.core.scheduler import Scheduler
 from tests.test_block_pool import assert_counts_equal_holders
 from tests.test_scheduler import make_request, run_step
 

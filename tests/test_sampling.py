@@ -5,7 +5,7 @@ import torch
 from hf_reference import greedy, our_logits
 
 from pagedllm import SamplingParams
-from pagedllm.sampler import Sampler
+from pagedllm.execution.sampler import Sampler
 
 STORY = [{"role": "user", "content": "Tell me a story about a dragon and a village."}]
 

@@ -1,9 +1,9 @@
 import pytest
 
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.request import FinishReason, Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import FinishReason, Request, RequestStatus
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0) -> Request:

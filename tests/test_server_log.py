@@ -3,7 +3,7 @@
 import logging
 
 from pagedllm import SamplingParams
-from pagedllm.server_log import ServerLog
+from pagedllm.serving.server_log import ServerLog
 
 
 def test_finished_requests_and_periodic_stats_are_logged(make_llm, caplog):

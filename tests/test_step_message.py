@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.request import FinishReason, Request
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import ScheduledRequest, Scheduler
-from pagedllm.step_message import StepEncoder, WorkerBlockTables, shutdown_message
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import FinishReason, Request
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import ScheduledRequest, Scheduler
+from pagedllm.core.step_message import StepEncoder, WorkerBlockTables, shutdown_message
 
 
 class FakeChunk:

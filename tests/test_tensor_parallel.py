@@ -15,9 +15,9 @@ import torch
 from hf_reference import greedy, save_random_llama
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed import WorkerDiedError
-from pagedllm.model_loader import ModelConfig
-from pagedllm.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size
+from pagedllm.distributed.launcher import WorkerDiedError
+from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size
+from pagedllm.models.loader import ModelConfig
 
 TINY_ARGS = dict(dtype="float32", block_size=8, kv_cache_memory="4MiB", max_model_len=256)
 
@@ -209,7 +209,7 @@ def starting_group(command: list[str]):
     import torch.distributed as dist
 
     from pagedllm.config import EngineConfig
-    from pagedllm.distributed import WorkerGroup
+    from pagedllm.distributed.launcher import WorkerGroup
 
     group = WorkerGroup(EngineConfig(tensor_parallel_size=2))
     group._store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.thread_control import AdaptiveThreads, busy_seconds, threads_for_free_cores
+from pagedllm.execution.thread_control import AdaptiveThreads, busy_seconds, threads_for_free_cores
 
 
 class FakeMachine:

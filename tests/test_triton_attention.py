@@ -11,10 +11,10 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
 
-from test_attention import make_batch  # noqa: E402
+from test_attention import WINDOWED, make_batch  # noqa: E402
 
-from pagedllm.attention import reference_attention  # noqa: E402
-from pagedllm.triton_attention import triton_attention  # noqa: E402
+from pagedllm.execution.attention import reference_attention  # noqa: E402
+from pagedllm.execution.triton_attention import triton_attention  # noqa: E402
 
 
 def random_shapes(seed: int, count: int) -> list[tuple[int, int]]:
@@ -58,10 +58,21 @@ def test_triton_kernel_ignores_slots_outside_every_context():
 
 
 def test_attention_selection_picks_triton_on_cuda_only():
-    from pagedllm.attention import select_attention
-    from pagedllm.attention import triton_attention as lazy_triton
+    from pagedllm.execution.attention import select_attention
+    from pagedllm.execution.attention import triton_attention as lazy_triton
 
     assert select_attention("auto", 64, 9, device="cuda") is lazy_triton
     assert select_attention("auto", 64, 9, device="cpu") is not lazy_triton
     q, cache, meta, _ = make_batch(1, 16, 3, 3, 64, [(4, 1), (0, 5)])
     torch.testing.assert_close(lazy_triton(q, cache, meta), reference_attention(q, cache, meta), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 9, 40])
+def test_triton_kernel_sliding_window_never_reads_older_slots(window):
+    q, cache, meta, _ = make_batch(window, 16, 3, 3, 64, WINDOWED)
+    expected = reference_attention(q, cache, meta, window)
+    visible = torch.zeros(cache.shape[1] * 16, dtype=torch.bool)
+    for table, seq_len, (ctx, _) in zip(meta.block_tables.tolist(), meta.seq_lens, WINDOWED):
+        visible[[table[p // 16] * 16 + p % 16 for p in range(max(0, ctx - window + 1), seq_len)]] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~visible] = float("nan")
+    torch.testing.assert_close(triton_attention(q, cache, meta, window), expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `pagedllm bench`: offline throughput, datasets, reports, online latency."""

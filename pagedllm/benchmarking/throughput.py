@@ -1,0 +1,113 @@
+"""Offline throughput: submit a whole workload at once, run to completion, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine import LLMEngine
+
+
+def print_result(result: dict, output: str | Path | None = None) -> None:
+    """Print a result as JSON, and write the same text to `output` when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
+
+
+def run_bench(config: EngineConfig, requests: list[dict], ignore_eos: bool = True) -> dict:
+    with LLMEngine(config) as engine:
+        return run_on_engine(engine, requests, ignore_eos)
+
+
+def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = True, desc: str = "bench") -> dict:
+    start = time.perf_counter()
+    for item in requests:
+        params = SamplingParams(
+            n=item.get("n", 1),
+            temperature=item.get("temperature", 0.0),
+            seed=item.get("seed"),
+            max_tokens=item["max_tokens"],
+            ignore_eos=ignore_eos,
+        )
+        engine.add_request(item["prompt_token_ids"], params, request_id=item["id"])
+    scheduler = engine.scheduler
+    stats_before = (engine.stats.steps, scheduler.num_preemptions)
+    prefix_before = (
+        scheduler.prefix_cache_queried_tokens,
+        scheduler.prefix_cache_hit_tokens,
+        scheduler.num_forks,
+        scheduler.num_cow_copies,
+    )
+    pool = getattr(engine.kv_cache, "pool", None)  # the contiguous layout has none
+    evictions_before = pool.num_evictions if pool is not None else None
+    engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
+    engine.memory.reset(engine.scheduler)
+    message_bytes_before = engine.runner.step_message_bytes
+    output_tokens = 0
+    ttfts = []
+    with tqdm(total=len(requests), desc=desc, unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    ttfts.append(output.time_to_first_token or 0.0)
+                    bar.update(1)
+    wall = time.perf_counter() - start
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    ttfts.sort()
+    return {
+        "wall_s": round(wall, 3),
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / wall, 2),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / wall, 2),
+        "steps": engine.stats.steps - stats_before[0],
+        "peak_running": engine.stats.peak_running,
+        "preemptions": engine.scheduler.num_preemptions - stats_before[1],
+        "kv_blocks_total": engine.kv_cache.num_blocks,
+        "kv_peak_blocks_used": engine.stats.kv_peak_blocks_used,
+        "block_size": engine.config.block_size,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "ttft_median_s": round(ttfts[len(ttfts) // 2], 3),
+        "kv_layout": engine.config.kv_layout,
+        **({"reserve": engine.config.reserve} if engine.config.kv_layout == "contiguous" else {}),
+        "max_model_len": engine.max_model_len,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "step_message_bytes": engine.runner.step_message_bytes - message_bytes_before,
+        "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
+        **prefix_cache_stats(engine, prefix_before, evictions_before),
+        **engine.memory.summary(engine.scheduler),
+    }
+
+
+def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_before: int | None) -> dict:
+    """Sharing in this run: prefix-cache hits, forks and copy-on-write copies, evictions."""
+    scheduler = engine.scheduler
+    queried = scheduler.prefix_cache_queried_tokens - before[0]
+    hit = scheduler.prefix_cache_hit_tokens - before[1]
+    stats = {
+        "prefix_caching": engine.config.enable_prefix_caching and engine.config.kv_layout == "paged",
+        "forks": scheduler.num_forks - before[2],
+        "cow_copies": scheduler.num_cow_copies - before[3],
+        "prefix_cache_hit_tokens": hit,
+        "prefix_cache_hit_rate": round(hit / queried, 4) if queried else 0.0,
+    }
+    if evictions_before is not None:
+        pool = engine.kv_cache.pool
+        stats |= {
+            "prefix_cache_evictions": pool.num_evictions - evictions_before,
+            "kv_cached_blocks": pool.num_cached_blocks,
+        }
+    return stats

@@ -1,0 +1,107 @@
+"""Per-request sampling settings, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MAX_N = 256  # samples per request: each is a sequence with its own blocks once it diverges
+
+
+class SamplingParamError(ValueError):
+    """A bad sampling setting; `param` names the field (the server reports it as OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"invalid sampling parameter: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy.  `top_k` 0 (or -1) and `top_p` 1 and `min_p` 0
+    disable those filters.  `logprobs=k` returns, for every generated token,
+    its log-probability and the k most likely alternatives, computed from the
+    model's raw distribution (before temperature and filters).  A `stop`
+    string ends generation and is cut from the returned text; a token in
+    `stop_token_ids` (or EOS unless `ignore_eos`) ends generation and is kept
+    in `token_ids` but not in the text.
+
+    `beam_width=W > 1` turns on beam search (see `pagedllm/core/beam_search.py`):
+    sampling settings are ignored, `length_penalty` and `early_stopping` act as
+    in transformers, and the request returns its best `n` (at most W)
+    hypotheses, best first.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(message: str) -> SamplingParamError:
+            return SamplingParamError(message.split(" ", 1)[0], message)  # every message starts with its field
+
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
+        if (
+            not isinstance(self.beam_width, int)
+            or isinstance(self.beam_width, bool)
+            or not 1 <= self.beam_width <= MAX_N
+        ):
+            raise bad(f"beam_width must be an integer from 1 to {MAX_N}, got {self.beam_width!r}")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise bad(f"n ({self.n}) cannot exceed beam_width ({self.beam_width}): it counts returned beams")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise bad(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The settings of sample `index` of an n>1 request: one sequence, seed + index when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

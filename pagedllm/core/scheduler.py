@@ -1,0 +1,239 @@
+"""Continuous batching: who runs this step, and how many tokens each computes.
+
+Pure Python.  One rule covers prefill, chunked prefill and decode: a request
+has `num_computed_tokens`; each step gives it up to `num_tokens -
+num_computed_tokens` more, within the step's token budget.  Running requests
+are served first (in arrival order), then waiting requests are admitted first
+come first served.  When the cache runs out of blocks, the latest-arrived
+running request is preempted: it gives back all its blocks and waits, to be
+recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: positions [start, start + num_new_tokens)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+    samples: bool  # the chunk reaches the end of the request's tokens: its last position yields a token
+    # n>1: samples that fork from this request at this chunk's token; each samples its own token
+    # from the same logits, then holds the request's blocks (copy-on-write from then on).
+    forks: list[Request] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start : self.start + self.num_new_tokens]
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled from this chunk's last position: the request's and its forks'."""
+        return 1 + len(self.forks) if self.samples else 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Why the waiting queue's head was not admitted: "memory" (no room in the KV
+    # cache, or a preemption this step), "budget", "max_num_seqs"; None when nobody waits.
+    admission_blocked_by: str | None = None
+    # Copy-on-write: (source, destination) blocks to copy before this step's attention.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# Either KV layout: both hand out block tables and answer the same questions.
+KVCache = KVCacheManager | ContiguousKVCacheManager
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_cow_copies = 0  # blocks copied because a forked sequence wrote into a shared block
+        self.num_forks = 0
+        self.prefix_cache_queried_tokens = 0  # prompt tokens of admitted requests (first admission only)
+        self.prefix_cache_hit_tokens = 0  # of those, tokens whose KV came from the prefix cache
+
+    def add_request(self, request: Request) -> None:
+        needed = self.kv_cache.max_blocks_held(request.max_total_tokens)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request {request.request_id} can never fit: prompt ({request.num_prompt_tokens} tokens) + "
+                f"max_tokens is {request.max_total_tokens} tokens and may hold {needed} blocks, but the whole KV cache "
+                f"has {self.kv_cache.num_blocks} blocks ({self.kv_cache.num_tokens_capacity} tokens); "
+                "lower max_tokens or raise kv_cache_memory"
+            )
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.kv_cache.begin_step()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # the request preempted itself: it was the latest arrival
+            if num_new > 1:  # a prefill chunk: its full blocks can serve this step's admissions
+                self.kv_cache.mark_pending(request.request_id, request.token_ids, request.num_computed_tokens + num_new)
+            output.scheduled.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when nothing was preempted this step;
+        # otherwise a new arrival could take the blocks just given back.
+        while self.waiting:
+            if output.preempted:
+                output.admission_blocked_by = "memory"
+                break
+            if budget <= 0:
+                output.admission_blocked_by = "budget"
+                break
+            if len(self.running) >= self.max_num_seqs:
+                output.admission_blocked_by = "max_num_seqs"
+                break
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request.token_ids)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if (
+                self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, request.max_total_tokens, cached)
+                is None
+            ):
+                output.admission_blocked_by = "memory"
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_preemptions == 0:  # hit rate is about prompts, not recomputation
+                self.prefix_cache_queried_tokens += request.num_prompt_tokens
+                self.prefix_cache_hit_tokens += num_cached
+            request.num_computed_tokens = num_cached
+            # Later admissions of this step may share the prompt blocks this chunk computes.
+            self.kv_cache.mark_pending(request.request_id, request.token_ids, num_cached + num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(self._chunk(request, num_new))
+            budget -= num_new
+        return output
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens
+        return ScheduledRequest(
+            request,
+            start,
+            num_new,
+            self.kv_cache.block_table(request.request_id),
+            samples,
+            list(request.forks) if samples else [],
+        )
+
+    def _allocate_running(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        result = self.kv_cache.allocate_slots(
+            request.request_id,
+            request.num_computed_tokens + num_new,
+            request.max_total_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+        if result is None:
+            return False
+        output.block_copies.extend(result.copies)
+        self.num_cow_copies += len(result.copies)
+        return True
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        while not self._allocate_running(request, num_new, output):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are the latest running arrivals, yet earlier than every waiting request.
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens; return requests that finished."""
+        finished = []
+        for chunk in output.scheduled:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            # Before a possible finish frees them, so a finished prompt stays findable.
+            self.kv_cache.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            for child in chunk.forks:
+                request.forks.remove(child)
+                self.fork(request, child)
+            for sequence in (request, *chunk.forks):
+                token = sampled.get(sequence.request_id)
+                if token is None:
+                    continue
+                reason = sequence.append_token(token)
+                if reason is not None:
+                    self.finish(sequence, reason)
+                    finished.append(sequence)
+        return finished
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child starts running on the parent's blocks: its first `parent.num_computed_tokens`
+        tokens must be the parent's, and are not computed again."""
+        self.kv_cache.fork(parent.request_id, child.request_id)
+        self.num_forks += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (running, waiting) and free its blocks."""
+        if request.finished:
+            return
+        for child in list(request.forks):  # samples that never forked end with it
+            self.finish(child, reason)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.fork_parent is not None and request in request.fork_parent.forks:
+            request.fork_parent.forks.remove(request)  # never forked: holds nothing
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

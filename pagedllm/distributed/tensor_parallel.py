@@ -1,0 +1,157 @@
+"""Tensor parallelism: which slice of every weight a rank holds, and the collectives.
+
+Megatron-style, over `torch.distributed` (gloo on CPU, NCCL on CUDA):
+
+- Q/K/V and gate/up are column-parallel: rank r holds the rows of its
+  attention heads and of its slice of the MLP, so attention and the SwiGLU
+  run on local data.  Output and down projections are row-parallel: rank r
+  holds the matching input columns, and an all-reduce sums the partial
+  outputs, so every rank ends each layer with the whole hidden state.
+- KV heads: with N ranks and K KV heads, rank r holds K/N of them when N
+  divides K; when N exceeds K (N a multiple of K) each rank holds one KV
+  head, replicated on N/K ranks, and only the query heads that read it.
+  Each rank's KV cache has its heads in the same block layout and the same
+  number of blocks, so one block id names the same tokens on every rank.
+- Embedding and LM head are vocab-parallel (the decision of issue 7):
+  rank r holds rows [r*S, (r+1)*S) of the vocabulary, S = ceil(V/N), padded
+  with zero rows.  The embedding looks up the ids it holds (zeros for the
+  others) and all-reduces; the LM head computes its slice of the logits and
+  rank 0 gathers them, so only rank 0 ever has whole logits, and samples.
+- Norms (Qwen3's per-head q/k norms too) and rotary tables are replicated (a few KB).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.models.loader import ModelConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (size 1: no group, collectives are no-ops)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def broadcast_ints(self, message: array | None) -> list[int] | array:
+        """Rank 0 sends `message` (int32) to every rank; the others pass None and get it back."""
+        length = torch.empty(1, dtype=torch.int64)
+        if self.rank == 0:
+            length[0] = len(message)
+            dist.broadcast(length, src=0)
+            dist.broadcast(torch.frombuffer(message, dtype=torch.int32), src=0)
+            return message
+        dist.broadcast(length, src=0)
+        payload = torch.empty(int(length[0]), dtype=torch.int32)
+        dist.broadcast(payload, src=0)
+        return payload.tolist()
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's `x` side by side along the last dimension; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The sizes and offsets of one rank's slices of the model."""
+
+    num_heads: int  # query heads on this rank
+    head_start: int
+    num_kv_heads: int  # KV heads on this rank
+    kv_head_start: int
+    intermediate_size: int
+    intermediate_start: int
+    vocab_shard: int  # rows of embedding / LM head on this rank (padded: equal on every rank)
+    vocab_start: int
+
+    @classmethod
+    def for_rank(cls, config: ModelConfig, tp: TensorParallel) -> ShardLayout:
+        check_tensor_parallel_size(config, tp.size)
+        n, r = tp.size, tp.rank
+        heads = config.num_heads // n
+        if n <= config.num_kv_heads:
+            kv_heads, kv_start = config.num_kv_heads // n, r * (config.num_kv_heads // n)
+        else:  # each KV head replicated on n / K ranks
+            kv_heads, kv_start = 1, r // (n // config.num_kv_heads)
+        inter = config.intermediate_size // n
+        vocab = cdiv(config.vocab_size, n)
+        return cls(heads, r * heads, kv_heads, kv_start, inter, r * inter, vocab, r * vocab)
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """A clear error when the model cannot be split `size` ways."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} attention heads")
+    kv = config.num_kv_heads
+    if (size <= kv and kv % size) or (size > kv and size % kv):
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide the model's {kv} KV heads or be a multiple of them "
+            "(KV heads are then replicated)"
+        )
+    if config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's MLP width {config.intermediate_size}"
+        )
+
+
+def shard_hf_weights(
+    weights: dict[str, torch.Tensor], config: ModelConfig, tp: TensorParallel
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of every Hugging Face-named tensor (a new dict; `weights` is left as it is)."""
+    if tp.size == 1:
+        return weights
+    s = ShardLayout.for_rank(config, tp)
+    d = config.head_dim
+    shards = dict(weights)  # norms are replicated
+
+    def rows(name: str, start: int, count: int) -> None:
+        shards[name] = weights[name][start : start + count].clone()
+
+    def columns(name: str, start: int, count: int) -> None:
+        shards[name] = weights[name][:, start : start + count].contiguous()
+
+    def vocab_rows(name: str) -> None:
+        full = weights[name]
+        shard = full.new_zeros(s.vocab_shard, full.shape[1])  # the last rank's padding rows stay zero
+        part = full[s.vocab_start : s.vocab_start + s.vocab_shard]
+        shard[: part.shape[0]] = part
+        shards[name] = shard
+
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        rows(p + "self_attn.q_proj.weight", s.head_start * d, s.num_heads * d)
+        rows(p + "self_attn.k_proj.weight", s.kv_head_start * d, s.num_kv_heads * d)
+        rows(p + "self_attn.v_proj.weight", s.kv_head_start * d, s.num_kv_heads * d)
+        if config.attention_bias:
+            rows(p + "self_attn.q_proj.bias", s.head_start * d, s.num_heads * d)
+            rows(p + "self_attn.k_proj.bias", s.kv_head_start * d, s.num_kv_heads * d)
+            rows(p + "self_attn.v_proj.bias", s.kv_head_start * d, s.num_kv_heads * d)
+        columns(p + "self_attn.o_proj.weight", s.head_start * d, s.num_heads * d)
+        rows(p + "mlp.gate_proj.weight", s.intermediate_start, s.intermediate_size)
+        rows(p + "mlp.up_proj.weight", s.intermediate_start, s.intermediate_size)
+        columns(p + "mlp.down_proj.weight", s.intermediate_start, s.intermediate_size)
+    vocab_rows("embed_tokens.weight")
+    if not config.tie_word_embeddings:
+        vocab_rows("lm_head.weight")
+    return shards

@@ -1,0 +1,103 @@
+"""What attention needs to know about one step, built once by the model runner and shared
+by every layer and every attention backend (C++, torch, Triton, reference)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DECODE_GROUP_SIZE = 32
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token requests of similar length, run as one batched matmul."""
+
+    tokens: torch.Tensor  # [G] row of each member's query token
+    block_ids: torch.Tensor  # [G * num_blocks] the members' block tables, flattened, padded with 0
+    key_padding: torch.Tensor  # [G, num_blocks * block_size] True where a key is past the member's length
+    k_buf: torch.Tensor  # gather scratch, reused by every layer of the step
+    v_buf: torch.Tensor
+    lens: torch.Tensor  # [G] each member's context length
+    _before_window: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def before_window(self, window: int) -> torch.Tensor:
+        """[G, keys] True where a key is older than the member's sliding window."""
+        if window not in self._before_window:
+            keys = self.key_padding.shape[1]
+            self._before_window[window] = torch.arange(keys)[None, :] < (self.lens - window)[:, None]
+        return self._before_window[window]
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to know about one step; built once by the model runner
+    and shared by every layer (derived tensors are built on first use)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: list[int]  # [num_requests + 1]: request i owns tokens [qsl[i], qsl[i+1])
+    seq_lens: list[int]  # [num_requests]: context length after this step
+    block_tables: torch.Tensor  # [num_requests, max_blocks] int64, padded with 0
+    prefill_indices: list[int] = field(default_factory=list)  # requests with more than one new token
+    decode_indices: list[int] = field(default_factory=list)  # requests with one new token, shortest first
+    _decode_groups: list[DecodeGroup] | None = None
+    _decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _prefill_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prefill_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first query row, new tokens, seq lens, block tables) of the prefilling requests, for the C++ kernel."""
+        if self._prefill_tensors is None:
+            index = self.prefill_indices
+            qsl = self.query_start_loc
+            self._prefill_tensors = (
+                torch.tensor([qsl[i] for i in index], dtype=torch.int64),
+                torch.tensor([qsl[i + 1] - qsl[i] for i in index], dtype=torch.int64),
+                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+            )
+        return self._prefill_tensors
+
+    def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query rows, seq lens, block tables) of the decoding requests, for the C++ kernel."""
+        if self._decode_tensors is None:
+            index = self.decode_indices
+            self._decode_tensors = (
+                torch.tensor([self.query_start_loc[i] for i in index], dtype=torch.int64),
+                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+            )
+        return self._decode_tensors
+
+    def decode_groups(self, kv_cache: torch.Tensor) -> list[DecodeGroup]:
+        """Decoding requests cut into groups of similar length, for the pure-torch path."""
+        if self._decode_groups is None:
+            _, _, block_size, kv_heads, head_dim = kv_cache.shape
+            self._decode_groups = []
+            for start in range(0, len(self.decode_indices), DECODE_GROUP_SIZE):
+                members = self.decode_indices[start : start + DECODE_GROUP_SIZE]
+                lens = torch.tensor([self.seq_lens[i] for i in members])
+                num_blocks = -(-int(lens.max()) // block_size)
+                block_ids = self.block_tables[torch.tensor(members), :num_blocks].reshape(-1)
+                row = block_size * kv_heads * head_dim
+                self._decode_groups.append(
+                    DecodeGroup(
+                        tokens=torch.tensor([self.query_start_loc[i] for i in members]),
+                        block_ids=block_ids,
+                        key_padding=torch.arange(num_blocks * block_size)[None, :] >= lens[:, None],
+                        k_buf=torch.empty(block_ids.shape[0], row, dtype=kv_cache.dtype),
+                        v_buf=torch.empty(block_ids.shape[0], row, dtype=kv_cache.dtype),
+                        lens=lens,
+                    )
+                )
+        return self._decode_groups
+
+
+def build_attention_metadata(
+    slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor
+) -> AttentionMetadata:
+    meta = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables)
+    num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    meta.prefill_indices = [i for i, n in enumerate(num_new) if n > 1]
+    meta.decode_indices = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
+    return meta

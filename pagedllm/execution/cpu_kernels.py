@@ -1,0 +1,241 @@
+"""The C++ CPU kernels (paged attention, fused elementwise ops), compiled once per CPU.
+
+The sources in `csrc/` are plain C++ with a C ABI and no torch headers, so
+`g++` builds them in about two seconds (a torch extension took ~40 s, most of
+it in torch's headers), and the library does not depend on the torch version:
+virtual environments with different torches share one build.  It is compiled
+with `-march=native` under a name tied to this CPU's instruction-set flags,
+the sources and the compiler, in `$PAGEDLLM_CACHE_DIR/kernels` (default
+`~/.cache/pagedllm/kernels`), so a cache shared between machines never runs
+code built for another CPU; which paths it takes (AVX-512, AVX512-BF16 or
+plain vectorized C++) is decided by those flags at compile time.  OpenMP comes
+from the process's libgomp, the one torch has already loaded, so the kernels
+and torch share one thread pool.  When the build fails the engine falls back to
+pure-torch code and says so.
+
+Calls go through ctypes with raw pointers: ~5 us each for a one-row call, allocation and
+checks included (a torch add of the same row: ~1.3 us); five per layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
+_HEADERS = ("common.h", "avx512.h")
+_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_COMPILER = os.environ.get("CXX", "g++")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention": [_P] * 7 + [_I] * 5 + [_F, _I],
+    "paged_prefill_attention": [_P] * 8 + [_I] * 5 + [_F, _I],
+    "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F],
+    "rope_write_kv": [_P] * 8 + [_I] * 4,
+    "silu_mul": [_P] * 2 + [_I] * 2,
+}
+# Built for bfloat16 only (AVX512-BF16); `gemv_bf16_available` says whether this build has it.
+_BF16_ONLY = {"gemv": [_P] * 3 + [_I] * 3}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cpu_summary() -> str:
+    """The CPU's model name, core count and the SIMD flags that decide the kernels' paths and the
+    speed of bfloat16, e.g. 'AMD EPYC, 2 cores, avx2 avx512f avx512_bf16'; benchmarks print it
+    beside every figure."""
+    flags = set(cpu_flags().split())
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert")
+    shown = " ".join(flag for flag in wanted if flag in flags) or "no AVX2"
+    return f"{model}, {os.cpu_count()} cores, {shown}"
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([_COMPILER, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _build_tag(march: str) -> str:
+    digest = hashlib.sha256()
+    for part in (cpu_flags(), _compiler_version(), " ".join(_FLAGS), march):
+        digest.update(part.encode())
+    for name in _SOURCES + _HEADERS:
+        digest.update((_CSRC / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def kernel_cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "kernels"
+
+
+def build_library(march: str = "native") -> Path:
+    """The compiled library for this CPU, building it first when the cache has none.  `march`
+    other than native builds for an older instruction set (tests use it to run the plain
+    C++ paths on a CPU that would take the AVX-512 ones)."""
+    target = kernel_cache_dir() / f"libpagedllm_cpu_{_build_tag(march)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the C++ CPU kernels for this CPU (once, a few seconds) into %s", target.parent)
+    start = time.perf_counter()
+    # Built under a temporary name, then renamed: concurrent builds never see a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [_COMPILER, *_FLAGS, f"-march={march}", "-o", tmp, *(str(_CSRC / s) for s in _SOURCES)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
+    return target
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class CpuKernels:
+    """The library's functions, called with tensors (float32 or bfloat16, contiguous, on the CPU)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(library, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
+        for name, argtypes in _BF16_ONLY.items():
+            fn = getattr(library, f"{name}_bf16")
+            fn.argtypes, fn.restype = argtypes, None
+            self._fns[name, torch.bfloat16] = fn
+        library.gemv_bf16_available.restype = ctypes.c_int64
+        self.has_gemv = bool(library.gemv_bf16_available())
+
+    def _fn(self, name: str, dtype: torch.dtype):
+        fn = self._fns.get((name, dtype))
+        if fn is None:
+            raise TypeError(f"the CPU kernels run float32 and bfloat16, not {dtype}")
+        return fn
+
+    def paged_decode_attention(
+        self, q, k_cache, v_cache, out, rows, seq_lens, tables, scale: float, window: int = 0
+    ) -> None:
+        """q, out [tokens, heads, 64]; caches [num_blocks, block_size, kv_heads, 64]; per request its
+        query row, context length and block table (int64); `window` > 0: a sliding window."""
+        _check(q, k_cache, v_cache, out, rows, seq_lens, tables)
+        kv_heads = k_cache.shape[2]
+        self._fn("paged_decode_attention", q.dtype)(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(rows), _ptr(seq_lens), _ptr(tables),
+            rows.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads, scale, window,
+        )  # fmt: skip
+
+    def paged_prefill_attention(
+        self, q, k_cache, v_cache, out, starts, lens, seq_lens, tables, scale: float, window: int = 0
+    ) -> None:
+        """As decode, with per prefilling request its first query row and number of new tokens."""
+        _check(q, k_cache, v_cache, out, starts, lens, seq_lens, tables)
+        kv_heads = k_cache.shape[2]
+        self._fn("paged_prefill_attention", q.dtype)(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(starts), _ptr(lens), _ptr(seq_lens),
+            _ptr(tables), starts.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads,
+            scale, window,
+        )  # fmt: skip
+
+    def add_rms_norm(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta (in place, when delta is given); returns weight * rms_norm(residual)."""
+        _check(residual, weight, *(() if delta is None else (delta,)))
+        out = torch.empty_like(residual)
+        rows, hidden = residual.shape
+        self._fn("add_rms_norm", residual.dtype)(
+            None if delta is None else _ptr(delta), _ptr(residual), _ptr(weight), _ptr(out), rows, hidden, eps
+        )
+        return out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """Rotary on q and k of the fused QKV rows; k and v written at their cache slots; returns q
+        [tokens, num_heads, head_dim].  cos/sin: float32 [max_len, head_dim / 2]."""
+        _, _, _, kv_heads, head_dim = kv_cache.shape
+        _check(qkv, positions, cos, sin, kv_cache, slot_mapping)
+        q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
+        self._fn("rope_write_kv", qkv.dtype)(
+            _ptr(qkv), _ptr(q), _ptr(kv_cache[0]), _ptr(kv_cache[1]), _ptr(positions), _ptr(slot_mapping),
+            _ptr(cos), _ptr(sin), qkv.shape[0], num_heads, kv_heads, head_dim,
+        )  # fmt: skip
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows [gate | up]."""
+        _check(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
+        return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ weight[n, k]^T for a few rows, bfloat16, k a multiple of 32 (see csrc/gemv.cpp)."""
+        _check(x, weight)
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)
+        self._fn("gemv", x.dtype)(_ptr(x), _ptr(weight), _ptr(y), m, n, k)
+        return y
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_cpu or not t.is_contiguous():  # is_cpu: 4x cheaper than comparing t.device
+            raise ValueError("the CPU kernels need contiguous CPU tensors")
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None when they cannot be built here."""
+    try:
+        return CpuKernels(ctypes.CDLL(str(build_library())))
+    except Exception as error:  # any build or load problem: compiler, headers, a foreign library
+        logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch paths", error)
+        return None

@@ -1,0 +1,585 @@
+// Paged attention on the CPU, reading K/V in place through the block tables:
+// a decode kernel (one query token per request) and a prefill kernel (chunks of
+// query tokens over their cached context).  head_dim 64.  With a sliding window W
+// (W > 0), the query at position p sees keys p - W + 1 .. p only; W = 0 is full
+// causal attention.
+//
+// Decode:
+// One work item = one decoding request, all of its heads.  A token's K (or V) row
+// holds every KV head ([kv_heads, 64] contiguous) and a block's rows are
+// contiguous, so walking the block table tile by tile streams each block from
+// memory once; each K/V head row serves all `group` query heads that read it.
+// Three passes over a per-thread buffer: scores (q . k for every key), an exact
+// softmax, and the weighted sum of values.  With AVX-512 the scores of 16 keys are
+// computed together, their horizontal sums done at once by a transpose tree, and
+// with AVX512-BF16 bfloat16 rows go straight into `vdpbf16ps` without conversion;
+// the value sums stay in registers for a tile.  Without AVX-512 the same loops are
+// left to the compiler's vectorizer.
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "avx512.h"
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t D = 64;
+constexpr int64_t kKeys = 16;  // keys per score tile
+
+// Walks one request's context from position `start` to `len` through its block table,
+// handing out the cache rows (all KV heads) of successive positions, kKeys at a time,
+// with no division per key.
+template <typename T>
+class RowWalker {
+ public:
+  RowWalker(const T* cache, const int64_t* table, int64_t start, int64_t len, int64_t block_size, int64_t row)
+      : cache_(cache),
+        table_(table),
+        len_(len),
+        block_size_(block_size),
+        row_(row),
+        t_(start),
+        j_(start / block_size),
+        r_(start % block_size) {
+    if (r_ != 0) block_ = cache_ + table_[j_] * block_size_ * row_;
+  }
+
+  // Fills rows[0, kKeys) for the next positions and returns how many are real; a short
+  // tile repeats its last row, so full-width loads stay inside the cache.
+  int64_t next(const T** rows) {
+    const int64_t n = std::min(kKeys, len_ - t_);
+    if (n <= 0) return 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (r_ == 0) block_ = cache_ + table_[j_] * block_size_ * row_;
+      rows[i] = block_ + r_ * row_;
+      if (++r_ == block_size_) r_ = 0, ++j_;
+    }
+    for (int64_t i = n; i < kKeys; ++i) rows[i] = rows[n - 1];
+    t_ += n;
+    return n;
+  }
+
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t len_, block_size_, row_, t_, j_, r_;
+  const T* block_ = nullptr;
+};
+
+#if defined(__AVX512F__)
+// One query head in registers, as floats and (AVX512-BF16) as bf16 pairs.
+struct QueryRegs {
+  __m512 f[4];
+#if defined(__AVX512BF16__)
+  __m512bh b[2];
+#endif
+};
+inline void load_query(const float* q, QueryRegs& r) {
+  for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(q + 16 * j);
+}
+inline void load_query(const bf16* q, QueryRegs& r) {
+#if defined(__AVX512BF16__)
+  for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+#else
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(q + 16 * j);
+#endif
+}
+// q . k as 16 partial sums, for one key of 64 elements.
+inline __m512 dot_partial(const float* k, const QueryRegs& q) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), q.f[0]);
+  for (int j = 1; j < 4; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * j), q.f[j], acc);
+  return acc;
+}
+inline __m512 dot_partial(const bf16* k, const QueryRegs& q) {
+#if defined(__AVX512BF16__)
+  const __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q.b[0]);
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + 32), q.b[1]);
+#else
+  __m512 acc = _mm512_mul_ps(load16(k), q.f[0]);
+  for (int j = 1; j < 4; ++j) acc = _mm512_fmadd_ps(load16(k + 16 * j), q.f[j], acc);
+  return acc;
+#endif
+}
+
+// Scores of every query head against one tile of keys (all KV heads of each key row).
+template <typename T>
+inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      QueryRegs qr;
+      load_query(q + head * D, qr);
+      __m512 partial[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) partial[i] = dot_partial(rows[i] + h * D, qr);
+      _mm512_storeu_ps(scores + head * ld + t0, _mm512_mul_ps(hsum16(partial), scale_v));
+    }
+}
+
+// acc[g] += sum over the tile's n keys of p[g][t] v[t], for G query heads of one KV head
+// (the accumulators stay in registers for the tile: 4G of them).
+template <int G, typename T>
+inline void tile_values(const float* probs, const T* const* rows, int64_t n, int64_t offset, int64_t ld,
+                        float* acc) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = rows[i] + offset;
+    __m512 row[4];
+    for (int j = 0; j < 4; ++j) row[j] = load16(v + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * ld + i]);
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(p, row[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 values with AVX512-BF16: keys two at a time through `vdpbf16ps`, the weights
+// rounded to bfloat16 first (as GPU flash attention rounds P before P.V).  Two V rows are
+// interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
+// accumulators hold the 64 dims in `paired_dim` order, put back by `unpair_values`.
+inline int64_t paired_dim(int64_t q) {
+  const int64_t b = q / 16, j = q % 16;
+  return (b / 2) * 32 + 8 * (j / 4) + (b % 2) * 4 + j % 4;
+}
+
+template <int G>
+inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
+                             int64_t ld_pairs, float* acc) {
+  __m512 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+  for (int64_t i = 0; i < n; i += 2) {  // an odd tail pairs with the tile's repeated row, whose weight is 0
+    const bf16* v0 = rows[i] + offset;
+    const bf16* v1 = rows[i + 1] + offset;
+    const __m512i x0 = _mm512_loadu_si512(v0), x1 = _mm512_loadu_si512(v0 + 32);
+    const __m512i y0 = _mm512_loadu_si512(v1), y1 = _mm512_loadu_si512(v1 + 32);
+    const __m512bh pairs[4] = {(__m512bh)_mm512_unpacklo_epi16(x0, y0), (__m512bh)_mm512_unpackhi_epi16(x0, y0),
+                               (__m512bh)_mm512_unpacklo_epi16(x1, y1), (__m512bh)_mm512_unpackhi_epi16(x1, y1)};
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[g * ld_pairs + i / 2]));
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], pairs[j], w);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+}
+
+// The softmax weights of every head as bfloat16, zero past `len` (to the tile's end).
+inline void weights_to_bf16(const float* probs, int64_t heads, int64_t len, int64_t ld, bf16* out) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % kKeys)) - 1);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < ld; i += kKeys) {
+      const __mmask16 keep = i + kKeys <= len ? static_cast<__mmask16>(0xFFFF) : tail;
+      const __m256bh narrow = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, probs + h * ld + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * ld + i), reinterpret_cast<const __m256i&>(narrow));
+    }
+}
+
+inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights);
+  const int64_t ld_pairs = ld / 2;
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group;) {
+      const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
+      const uint32_t* p = pairs + head * ld_pairs + t0 / 2;
+      float* a = acc + head * D;
+      switch (count) {
+        case 4: tile_value_pairs<4>(p, rows, n, h * D, ld_pairs, a); break;
+        case 3: tile_value_pairs<3>(p, rows, n, h * D, ld_pairs, a); break;
+        case 2: tile_value_pairs<2>(p, rows, n, h * D, ld_pairs, a); break;
+        default: tile_value_pairs<1>(p, rows, n, h * D, ld_pairs, a); break;
+      }
+      g += count;
+    }
+}
+
+inline void unpair_values(float* acc, int64_t heads) {
+  float tmp[D];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* a = acc + h * D;
+    for (int64_t q = 0; q < D; ++q) tmp[paired_dim(q)] = a[q];
+    std::copy(tmp, tmp + D, a);
+  }
+}
+#endif
+
+template <typename T>
+inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group;) {
+      const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
+      const float* p = probs + head * ld + t0;
+      float* a = acc + head * D;
+      switch (count) {
+        case 4: tile_values<4>(p, rows, n, h * D, ld, a); break;
+        case 3: tile_values<3>(p, rows, n, h * D, ld, a); break;
+        case 2: tile_values<2>(p, rows, n, h * D, ld, a); break;
+        default: tile_values<1>(p, rows, n, h * D, ld, a); break;
+      }
+      g += count;
+    }
+}
+#else
+template <typename T>
+inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g;
+      float qf[D];
+      for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[head * D + d]) * scale;
+      for (int64_t i = 0; i < kKeys; ++i) {
+        const T* k = rows[i] + h * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(k[d]);
+        scores[head * ld + t0 + i] = s;
+      }
+    }
+}
+
+template <typename T>
+inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
+                            int64_t group, int64_t ld, float* acc) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float v[D];
+      for (int64_t d = 0; d < D; ++d) v[d] = to_float(rows[i][h * D + d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const float p = probs[head * ld + t0 + i];
+        float* a = acc + head * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      }
+    }
+}
+#endif
+
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + b);
+}
+
+// Prefetches a request's rows kTilesAhead tiles before a RowWalker hands them out: the
+// blocks lie anywhere in memory, where the hardware prefetcher cannot follow them.  (Two
+// tiles ahead measured the same as one, within noise; see docs/performance.md.)
+#ifndef PAGEDLLM_TILES_AHEAD
+#define PAGEDLLM_TILES_AHEAD 2
+#endif
+template <typename T>
+class TilePrefetcher {
+ public:
+  TilePrefetcher(const T* cache, const int64_t* table, int64_t start, int64_t len, int64_t block_size, int64_t row)
+      : walker_(cache, table, start, len, block_size, row), row_bytes_(row * static_cast<int64_t>(sizeof(T))) {
+    for (int i = 0; i < PAGEDLLM_TILES_AHEAD; ++i) next();
+  }
+  void next() {
+    const T* rows[kKeys];
+    prefetch_rows(rows, walker_.next(rows), row_bytes_);
+  }
+
+ private:
+  RowWalker<T> walker_;
+  int64_t row_bytes_;
+};
+
+// In place: each row of `scores` becomes its softmax, and inv_sum the reciprocal of its sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, float* inv_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld;
+    float mx = -std::numeric_limits<float>::max();
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < len; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < len; ++i) {
+      s[i] = fast_exp(s[i] - mx);
+      sum += s[i];
+    }
+    inv_sum[r] = 1.f / sum;
+  }
+}
+
+// One decoding request, every head: whole key rows (all KV heads) are read once, in
+// block order, so each block's contiguous memory streams through the cache once.  Its
+// keys are positions start .. seq_len - 1 (start > 0 under a sliding window); `len`
+// counts them, and scores are indexed from `start`.
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t seq_len,
+                int64_t window, int64_t block_size, int64_t kv_heads, int64_t group, float scale,
+                std::vector<float>& buf) {
+  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0, len = seq_len - start;
+  const int64_t heads = kv_heads * group, row = kv_heads * D;
+  const int64_t ld = (len + kKeys - 1) / kKeys * kKeys;
+  buf.resize(heads * (ld + D + 1) + heads * ld / 2);  // + bf16 weights (AVX512-BF16)
+  float* scores = buf.data();
+  float* acc = scores + heads * ld;
+  float* inv_sum = acc + heads * D;
+  const T* rows[kKeys];
+  RowWalker<T> keys(k_cache, table, start, seq_len, block_size, row);
+  TilePrefetcher<T> keys_ahead(k_cache, table, start, seq_len, block_size, row);
+  for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
+    keys_ahead.next();
+    keys.next(rows);
+    tile_scores(q, rows, t0, kv_heads, group, scale, scores, ld);
+  }
+  TilePrefetcher<T> values_ahead(v_cache, table, start, seq_len, block_size, row);  // in flight during the softmax
+  softmax_rows(scores, heads, len, ld, inv_sum);
+  std::fill(acc, acc + heads * D, 0.f);
+#if defined(__AVX512BF16__)
+  constexpr bool paired = std::is_same_v<T, bf16>;
+  bf16* narrow = reinterpret_cast<bf16*>(inv_sum + heads);  // the weights as bfloat16
+  if constexpr (paired) weights_to_bf16(scores, heads, len, ld, narrow);
+#endif
+  RowWalker<T> values(v_cache, table, start, seq_len, block_size, row);
+  for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
+    values_ahead.next();
+    const int64_t n = values.next(rows);
+#if defined(__AVX512BF16__)
+    if constexpr (paired) {
+      tile_all_values(narrow, rows, n, t0, kv_heads, group, ld, acc);
+      continue;
+    }
+#endif
+    tile_all_values(scores, rows, n, t0, kv_heads, group, ld, acc);
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (paired) unpair_values(acc, heads);
+#endif
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(acc[h * D + d] * inv_sum[h]);
+}
+
+template <typename T>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows,
+                   const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,
+                   int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {
+  const int64_t heads = kv_heads * group;
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_requests; ++b) total += seq_lens[b];
+#pragma omp parallel if (total * heads >= 8192)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_requests; ++b)
+      decode_one(q + rows[b] * heads * D, k_cache, v_cache, out + rows[b] * heads * D, block_tables + b * max_blocks,
+                 seq_lens[b], window, block_size, kv_heads, group, scale, buf);
+  }
+}
+
+// --- prefill chunks ------------------------------------------------------------------
+//
+// One work item = (request, KV head, a tile of query tokens).  Its rows are those
+// tokens times the KV head's `group` query heads, so every K/V load serves all the
+// query heads that read it (grouped-query heads never repeat K/V).  Three passes:
+//   1. scores S = Q K^T, key tiles of kKeyTile positions gathered through the block
+//      table (any block size) and transposed into a small buffer, kRowBlock rows at
+//      a time: 2 * kRowBlock independent FMA chains, 12 of the 16 AVX2 registers
+//      (6 rows measured 1.5-1.7x faster than 4 here; 8 spills);
+//   2. an exact softmax per row over its visible keys (causal: the query at
+//      position p sees keys 0..p), vectorized over whole rows;
+//   3. O = P V: the item's V rows gathered once into a contiguous buffer, then
+//      kRowBlock rows x 16 dims accumulated in registers over all visible keys.
+// kRowsPerItem is a multiple of kRowBlock, so whole row blocks are real rows
+// whenever group divides it (padding rows are zero and cost only their FMAs).
+// S and the V rows live in a per-thread buffer (rows x keys + keys x 64 floats);
+// measured faster here than an online softmax, whose per-tile rescaling cost as
+// much as the two matmuls.
+#ifndef PAGEDLLM_KEY_TILE
+#define PAGEDLLM_KEY_TILE 16
+#endif
+#ifndef PAGEDLLM_ROWS_PER_ITEM
+#define PAGEDLLM_ROWS_PER_ITEM 96
+#endif
+constexpr int64_t kKeyTile = PAGEDLLM_KEY_TILE;
+constexpr int64_t kRowsPerItem = PAGEDLLM_ROWS_PER_ITEM;
+#ifndef PAGEDLLM_ROW_BLOCK
+#define PAGEDLLM_ROW_BLOCK 6
+#endif
+constexpr int64_t kRowBlock = PAGEDLLM_ROW_BLOCK;
+constexpr int64_t kDimBlock = 16;
+
+template <typename T>
+inline void load_tile(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t block_size,
+                      int64_t kv_heads, int64_t h, float* dst, bool transpose) {
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+    if (i < nk) {
+      const int64_t pos = k0 + i;
+      const T* row = cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+      if (transpose)
+        for (int64_t d = 0; d < D; ++d) dst[d * kKeyTile + i] = to_float(row[d]);
+      else
+        for (int64_t d = 0; d < D; ++d) dst[i * D + d] = to_float(row[d]);
+    } else if (transpose) {
+      for (int64_t d = 0; d < D; ++d) dst[d * kKeyTile + i] = 0.f;
+    } else {
+      std::fill(dst + i * D, dst + (i + 1) * D, 0.f);
+    }
+  }
+}
+
+template <typename T>
+void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
+                  int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
+                  int64_t group, int64_t h, float scale, std::vector<float>& buf) {
+  const int64_t heads = kv_heads * group, rows = num_tokens * group;
+  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // Keys k_lo .. first_pos + num_tokens - 1: the first row's window starts at k_lo and the
+  // last token sees every key before it.  Key indices below are relative to k_lo.
+  const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t num_keys = first_pos + num_tokens - k_lo;
+  const int64_t width = (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile + width * D);
+  float* Q = buf.data();              // [padded][D], pre-scaled; padding rows are zero
+  float* acc = Q + padded * D;        // [padded][D]
+  float* inv_sum = acc + padded * D;  // [padded]
+  float* S = inv_sum + padded;        // [padded][width] scores, then probabilities
+  float* tile = S + padded * width;   // [D][kKeyTile]: a K tile, transposed
+  std::fill(Q, Q + padded * D, 0.f);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q + (row0 + t) * heads * D + (h * group + g) * D;
+      float* dst = Q + (t * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+    }
+  // Keys a block of rows can see: up to its last row's position (relative to k_lo).
+  auto block_keys = [&](int64_t r0) {
+    return first_pos + std::min(r0 + kRowBlock - 1, rows - 1) / group + 1 - k_lo;
+  };
+
+  // 1. scores
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
+    load_tile(k_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, tile, true);
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
+      if (k0 >= block_keys(r0)) continue;  // wholly in the causal future of these rows
+      float s[kRowBlock][kKeyTile] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = tile + d * kKeyTile;
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+          const float qd = Q[(r0 + rr) * D + d];
+#pragma omp simd
+          for (int64_t i = 0; i < kKeyTile; ++i) s[rr][i] += qd * kd[i];
+        }
+      }
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy(s[rr], s[rr] + kKeyTile, S + (r0 + rr) * width + k0);
+    }
+  }
+  // 2. softmax over each row's visible keys [lo, hi); the rest of the row becomes 0
+  for (int64_t r = 0; r < padded; ++r) {
+    float* s = S + r * width;
+    const int64_t pos = first_pos + r / group;  // this row's position
+    const int64_t hi = r < rows ? pos + 1 - k_lo : 0;
+    const int64_t lo = r < rows && window > 0 ? std::max<int64_t>(0, pos - window + 1 - k_lo) : 0;
+    float mx = -std::numeric_limits<float>::max();
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = lo; i < hi; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = lo; i < hi; ++i) {
+      s[i] = fast_exp(s[i] - mx);
+      sum += s[i];
+    }
+    std::fill(s, s + lo, 0.f);
+    std::fill(s + std::max(hi, lo), s + width, 0.f);
+    inv_sum[r] = hi > lo ? 1.f / sum : 0.f;
+  }
+  // 3. values: the item's V rows gathered once into a contiguous buffer, then each
+  // block of kRowBlock rows x kDimBlock dims sums over all its visible keys in registers.
+  float* values = tile + D * kKeyTile;  // [width][D]
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile)
+    load_tile(v_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, values + k0 * D,
+              false);
+  for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
+    const int64_t keys = std::min(block_keys(r0), num_keys);
+    const float* p0 = S + r0 * width;
+    for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
+      float a[kRowBlock][kDimBlock] = {};
+      for (int64_t i = 0; i < keys; ++i) {
+        const float* vi = values + i * D + d0;
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+          const float p = p0[rr * width + i];
+#pragma omp simd
+          for (int64_t d = 0; d < kDimBlock; ++d) a[rr][d] += p * vi[d];
+        }
+      }
+      for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(a[rr], kDimBlock, acc + (r0 + rr) * D + d0);
+    }
+  }
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
+      T* dst = out + (row0 + t) * heads * D + (h * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(acc[r * D + d] * inv_sum[r]);
+    }
+}
+
+template <typename T>
+void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts,
+                    const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_tables,
+                    int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
+                    float scale, int64_t window) {
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  struct Item { int64_t request, head, first_token, num_tokens; };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_requests; ++b)
+    for (int64_t t = 0; t < query_lens[b]; t += tokens_per_item)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({b, h, t, std::min(tokens_per_item, query_lens[b] - t)});
+  const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = num_items - 1; i >= 0; --i) {  // the last tiles see the most keys: start them first
+      const Item& it = items[i];
+      const int64_t b = it.request;
+      const int64_t first_pos = seq_lens[b] - query_lens[b] + it.first_token;
+      prefill_item(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
+                   first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, buf);
+    }
+  }
+}
+
+
+}  // namespace
+}  // namespace pagedllm
+
+using pagedllm::bf16;
+
+// q, out: [num_tokens, num_heads, 64]; k_cache, v_cache: [num_blocks, block_size, kv_heads, 64].
+// Decode: rows = the query row of each decoding request; seq_lens and block tables per request.
+// Prefill: per prefilling request its first query row, number of new tokens, context length
+// after the step, and block table.  window: the sliding window (0: none).
+#define PAGEDLLM_ATTENTION(SUFFIX, T)                                                                              \
+  PAGEDLLM_API void paged_decode_attention_##SUFFIX(                                                              \
+      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,        \
+      const int64_t* block_tables, int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads, \
+      int64_t group, float scale, int64_t window) {                                                               \
+    pagedllm::decode_kernel<T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, max_blocks,    \
+                               block_size, kv_heads, group, scale, window);                                       \
+  }                                                                                                               \
+  PAGEDLLM_API void paged_prefill_attention_##SUFFIX(                                                             \
+      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts, const int64_t* query_lens, \
+      const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,              \
+      int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {                          \
+    pagedllm::prefill_kernel<T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens, block_tables,         \
+                                num_requests, max_blocks, block_size, kv_heads, group, scale, window);             \
+  }
+
+PAGEDLLM_ATTENTION(f32, float)
+PAGEDLLM_ATTENTION(bf16, bf16)

@@ -1,0 +1,126 @@
+"""The elementwise work of a llama layer, in two implementations with one interface.
+
+- `CppOps`: the fused C++ kernels (pagedllm/execution/csrc/elementwise.cpp): residual add +
+  RMSNorm in one pass, rotary on q and k + the K/V cache write in one pass,
+  SiLU(gate) * up in one pass.
+- `TorchOps`: the same math as separate torch ops; used where the C++ kernels
+  cannot run (no compiler, another dtype, tensors off the CPU), and the
+  reference the C++ ops are tested against.
+
+Both keep Hugging Face's rounding points in low precision: the residual sum,
+the normalized row before its weight, and SiLU before the product are rounded
+to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.execution.attention import write_kv
+from pagedllm.execution.cpu_kernels import CpuKernels, load_cpu_kernels
+
+
+class Rotary:
+    """cos/sin tables for every position up to the model's length, built once (float32, and in the
+    model's dtype for the torch path, as Hugging Face casts them)."""
+
+    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.cos32, self.sin32 = angles.cos().contiguous(), angles.sin().contiguous()
+        self.cos, self.sin = self.cos32.to(dtype), self.sin32.to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim], rotating the two halves of head_dim (HF order)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class TorchOps:
+    name = "torch"
+    gemv = None  # no small-batch GEMV kernel (see pagedllm/execution/linear.py)
+
+    def add_rms_norm(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta (in place, when given); returns weight * rms_norm(residual)."""
+        if delta is not None:
+            residual.add_(delta)
+        return rms_norm(residual, weight, eps)
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """Rotary on q and k of the fused QKV rows, k and v written at their slots; returns q."""
+        _, _, _, kv_heads, head_dim = kv_cache.shape
+        q_size, kv_size = num_heads * head_dim, kv_heads * head_dim
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = rotary.apply(q.view(-1, num_heads, head_dim), positions)
+        k = rotary.apply(k.view(-1, kv_heads, head_dim), positions)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CppOps:
+    name = "cpp"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        self.gemv = kernels if kernels.has_gemv else None
+
+    def add_rms_norm(
+        self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernels.add_rms_norm(delta, residual, weight, eps)
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        return self.kernels.rope_write_kv(qkv, positions, rotary.cos32, rotary.sin32, kv_cache, slot_mapping, num_heads)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+LayerOps = TorchOps | CppOps
+
+
+def select_ops(name: str, dtype: torch.dtype, device: str = "cpu") -> LayerOps:
+    """auto: the C++ ops on the CPU for float32 and bfloat16 where they build, else torch."""
+    if name not in ("auto", "cpp", "torch"):
+        raise ValueError(f"ops must be auto, cpp or torch, got {name!r}")
+    if name == "torch" or device != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        if name == "cpp":
+            raise ValueError(f"ops='cpp' runs float32 or bfloat16 on the CPU, not {dtype} on {device}")
+        return TorchOps()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        if name == "cpp":
+            raise RuntimeError("ops='cpp' asked for, but the C++ kernels could not be built (see the log)")
+        return TorchOps()
+    return CppOps(kernels)

@@ -1,0 +1,124 @@
+"""One rank's model, built from the settings: weights loaded and sliced for the rank, the
+dtype, attention and linear backends chosen, and the KV cache sized (blocks and maximum model
+length).  The engine builds rank 0 with it; tensor-parallel workers build the other ranks."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.startup_checks import (
+    available_memory_bytes,
+    check_kv_cache_memory,
+    check_max_model_len,
+    fit_max_model_len,
+)
+from pagedllm.distributed.tensor_parallel import (
+    ShardLayout,
+    TensorParallel,
+    check_tensor_parallel_size,
+    shard_hf_weights,
+)
+from pagedllm.execution.attention import select_attention
+from pagedllm.execution.fused_ops import select_ops
+from pagedllm.execution.linear import resolve_linear_backend
+from pagedllm.models.llama import LlamaModel
+from pagedllm.models.loader import ModelConfig, load_weights, resolve_model_path
+
+logger = logging.getLogger("pagedllm")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where bfloat16 matmuls beat float32 (AVX512-BF16 or AMX); measured in docs/dtype.md."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def return_freed_memory() -> None:
+    """Give the checkpoint's freed pages back to the OS (glibc keeps them otherwise): SmolLM2's
+    ranks at tensor-parallel size 3, which dequantize the whole GGUF to keep a third of it,
+    measured 1011-1044 MiB RSS before, 463-551 after (benchmarks/tensor_parallel.py)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@dataclass
+class RankModel:
+    """One rank's slice of the model, loaded, and the KV cache size every rank shares."""
+
+    model: LlamaModel
+    model_config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+    linear_backend: str
+    max_model_len: int
+    num_blocks: int
+    bytes_per_token: int  # KV bytes of one token on this rank (all layers, K and V)
+
+
+def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
+    path = resolve_model_path(config.model)
+    dtype = resolve_dtype(config.dtype)
+    # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
+    # (possibly on other machines) each check their own share.
+    if config.distributed_init_method is not None:
+        check_kv_cache_memory(config.kv_cache_memory // tp.size, available_memory_bytes())
+    elif tp.rank == 0:
+        check_kv_cache_memory(config.kv_cache_memory, available_memory_bytes())
+    model_config, weights = load_weights(path)
+    check_tensor_parallel_size(model_config, tp.size)
+    max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+    shard = ShardLayout.for_rank(model_config, tp)
+
+    c = model_config
+    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
+    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
+    block_bytes = bytes_per_token * tp.size * config.block_size
+    num_blocks = config.kv_cache_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
+            f"({block_bytes} bytes each)"
+        )
+    fitted = fit_max_model_len(
+        max_model_len, config.max_model_len is not None, num_blocks, config.block_size, block_bytes
+    )
+    if fitted < max_model_len and tp.rank == 0:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than the model's context length of %d: max model length lowered "
+            "to %d (raise --kv-cache-memory for longer requests)",
+            num_blocks * config.block_size,
+            max_model_len,
+            fitted,
+        )
+    max_model_len = fitted
+
+    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
+    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
+    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
+    model = LlamaModel(model_config, dtype, max_model_len, attention, tp, ops)
+    linear_backend = resolve_linear_backend(config.linear, dtype)
+    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
+    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
+    del weights
+    return_freed_memory()
+    return RankModel(model, model_config, path, dtype, linear_backend, max_model_len, num_blocks, bytes_per_token)

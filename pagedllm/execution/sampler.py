@@ -1,0 +1,94 @@
+"""Vectorized sampling for one step's batch of logits.
+
+Random draws invert the cumulative distribution: one uniform number per row,
+found in the row's running sum of probabilities.  That costs one random number
+per row instead of one per vocabulary entry (the exponential race it replaced
+spent ~140 ms per step drawing 128 x 49,152 exponentials).  A request with a
+seed draws its number from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (logprob of the sampled token, top alternatives) when asked for, else None.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits [batch, vocab] float32; one params and optional generator per row."""
+        batch, vocab = logits.shape
+        greedy = torch.tensor([p.greedy for p in params])
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        logits = logits / temperature[:, None]
+        top_k = [p.top_k for p in params]
+        if any(top_k):
+            k = torch.tensor([min(k, logits.shape[1]) if k else logits.shape[1] for k in top_k])
+            sorted_logits = logits.sort(dim=-1, descending=True).values
+            kth = sorted_logits.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params])
+        if bool((top_p < 1).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        uniform = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64)
+        cdf = probs.cumsum(dim=-1)
+        # x in (0, total]: the first token whose running sum reaches x has a nonzero probability
+        # (a zero-probability token repeats the sum of the token before it), and one always exists.
+        x = ((1.0 - uniform) * cdf[:, -1].double()).float().clamp_(min=torch.finfo(torch.float32).tiny)
+        return torch.searchsorted(cdf, x[:, None]).squeeze(1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+    ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(params)
+        if not rows:
+            return result
+        logprobs = logits[rows].log_softmax(dim=-1)
+        max_k = max(params[i].logprobs or 0 for i in rows)
+        top_values, top_ids = logprobs.topk(max(max_k, 1), dim=-1)
+        for j, row in enumerate(rows):
+            k = params[row].logprobs or 0
+            top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
+            result[row] = (float(logprobs[j, tokens[row]]), top)
+        return result

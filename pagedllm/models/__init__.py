@@ -1,0 +1,1 @@
+"""The models' math, one module per architecture, and loading their weights."""

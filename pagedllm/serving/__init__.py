@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server, its engine thread, metrics, log and dashboard."""

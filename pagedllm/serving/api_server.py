@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, errors, auth, limits.
+
+Every failure a client can cause answers in OpenAI's error shape with a 4xx:
+400 bad parameters or a prompt too long, 401 a missing or wrong key,
+404 an unknown model or path, 413 a body over the limit, 429 a full queue.
+A 500 means a bug here; a 503 means the engine has stopped.  The API key
+guards `/v1/*`; `/health`, `/metrics`, `/stats` and `/dashboard` are open
+(they show counts and block ids, never prompts or outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagedllm.serving.dashboard import dashboard_html, dashboard_state, engine_state
+from pagedllm.serving.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse_body
+from pagedllm.serving.openai_responses import ChoiceTracker, new_id
+from pagedllm.serving.server_log import ServerLog
+from pagedllm.serving.server_metrics import ServerMetrics
+from pagedllm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over the limit gets a 413, whether or not it declares its length."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"the request body is larger than the limit of {self.max_bytes} bytes", code="request_too_large"
+        )
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            error = self._too_large()
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
+    """The app around an engine; the app's lifespan starts and stops the engine thread.
+
+    `tokenizer` is the server's own instance (the engine thread uses another one):
+    a Rust tokenizer must not be used from two threads at once.
+    """
+    metrics = ServerMetrics()
+    engine.step_observers.append(metrics.observe_step)
+    engine.step_observers.append(ServerLog().observe_step)
+    max_model_len = engine.engine.max_model_len
+    created = int(time.time())  # /v1/models' `created`: when this server loaded the model
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_running:
+            engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    # --- errors ------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(error.status_code, str(error.detail), kind).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        body = APIError(500, f"internal server error: {error!r}", "internal_error").body()
+        return JSONResponse(body, status_code=500)
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            problem = "wrong" if given else "missing"
+            raise APIError(
+                401,
+                f"{problem} API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != settings.served_model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{settings.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_length(prompt_ids: list[int], max_tokens: int | None) -> None:
+        if len(prompt_ids) >= max_model_len:
+            raise bad_request(
+                f"the prompt has {len(prompt_ids)} tokens but this model's maximum context length "
+                f"is {max_model_len} tokens (prompt plus at least one generated token)",
+                "prompt",
+            )
+        if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
+            raise bad_request(
+                f"max_tokens is {max_tokens} and the prompt has {len(prompt_ids)} tokens: together over "
+                f"this model's maximum context length of {max_model_len} tokens",
+                "max_tokens",
+            )
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise bad_request(f"the request body is not valid JSON: {error}") from None
+
+    async def start(requests: list[tuple[list[int], Any, str]]) -> RequestStream:
+        try:
+            return await engine.add_requests(requests)
+        except QueueFullError as error:
+            raise APIError(429, str(error), "rate_limit_error", code="queue_full") from None
+        except EngineDeadError as error:
+            raise APIError(503, str(error), "service_unavailable") from None
+        except ValueError as error:  # the engine's own checks: never fits, bad token ids, ...
+            raise bad_request(str(error)) from None
+
+    async def respond(request: Request, stream: RequestStream, tracker: ChoiceTracker, body: Any) -> Response:
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(sse(stream, tracker, include_usage), media_type="text/event-stream")
+        collect = asyncio.ensure_future(collect_all(stream, tracker))
+        try:
+            while not collect.done():  # a client that hangs up stops its request
+                await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+                if not collect.done() and await request.is_disconnected():
+                    collect.cancel()
+                    return Response(status_code=499)
+            collect.result()
+        except EngineDeadError as error:
+            raise APIError(503, str(error), "service_unavailable") from None
+        finally:
+            stream.abort()
+        return JSONResponse(tracker.response())
+
+    # --- OpenAI routes -----------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        check_key(request)
+        card = {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "pagedllm"}
+        extensions = {"max_model_len": max_model_len, "vocab_size": engine.engine.model_config.vocab_size}
+        return {"object": "list", "data": [{**card, **extensions}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(CompletionRequest, await read_json(request))
+        check_model(body.model)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+        for ids in prompt_ids:
+            check_length(ids, max_tokens)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        tracker_id = new_id("cmpl")
+        request_ids = [f"{tracker_id}-{i}" for i in range(len(prompt_ids))]
+        stream = await start([(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)])
+        tracker = ChoiceTracker(
+            False,
+            settings.served_model_name,
+            body.n,
+            request_ids,
+            tokenizer.decode,
+            body.logprobs is not None,
+            id=tracker_id,
+        )
+        return await respond(request, stream, tracker, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        body = parse_body(ChatCompletionRequest, await read_json(request))
+        check_model(body.model)
+        try:
+            prompt_ids = tokenizer.apply_chat_template(body.conversation())
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from None
+        check_length(prompt_ids, body.requested_max_tokens)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # as OpenAI: up to the context length
+            max_tokens = max_model_len - len(prompt_ids)
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        tracker_id = new_id("chatcmpl")
+        stream = await start([(prompt_ids, params, tracker_id)])
+        tracker = ChoiceTracker(
+            True, settings.served_model_name, body.n, [tracker_id], tokenizer.decode, body.logprobs, id=tracker_id
+        )
+        return await respond(request, stream, tracker, body)
+
+    # --- health, metrics, stats, dashboard ---------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return await engine_call(engine_state)
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(dashboard_html())
+
+    @app.get("/dashboard/state")
+    async def dashboard_data() -> dict:
+        return await engine_call(lambda e: dashboard_state(e, metrics.throughput()))
+
+    async def engine_call(fn: Any) -> Any:
+        try:
+            return await engine.call(fn)
+        except EngineDeadError as error:
+            raise APIError(503, str(error), "service_unavailable") from None
+
+    return app
+
+
+async def collect_all(stream: RequestStream, tracker: ChoiceTracker) -> None:
+    async for output in stream:
+        tracker.latest[output.request_id] = output
+
+
+async def sse(stream: RequestStream, tracker: ChoiceTracker, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; a client that disconnects cancels this generator, and the finally aborts."""
+    try:
+        if tracker.chat:
+            yield _event(tracker.role_chunk())
+        async for output in stream:
+            chunk = tracker.chunk(output)
+            if chunk is not None:
+                yield _event(chunk)
+        if include_usage:
+            yield _event(tracker.usage_chunk())
+    except EngineDeadError as error:
+        yield _event(APIError(503, str(error), "service_unavailable").body())
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,202 @@
+"""OpenAI request bodies, checked strictly, and the errors the API answers with.
+
+Types are strict (a string where a number belongs is a 400, never coerced).
+Parameters this engine does not implement are refused with a 400 naming
+them, unless they are set to their no-op value (a penalty of 0, `echo`
+false, `best_of` equal to `n`).  Unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedllm.core.sampling_params import SamplingParamError, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def validation_error(error: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 naming the field.
+
+    `param` is the body's field (`prompt`, `messages.0.content`); pydantic's locations
+    also name the union member it tried (`prompt.str`, `prompt.list[int]`), which a client
+    never wrote, so those parts are dropped."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"] if not _is_type_name(part))
+    got = first.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return bad_request(f"{where or 'body'}: {first['msg']} (got {shown})", param=where or None)
+
+
+def _is_type_name(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions, as in vLLM: more sampling knobs.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported by this server (only 0 is accepted), got {value}", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's settings; SamplingParams' own checks become 400s."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except SamplingParamError as error:
+            raise bad_request(str(error), error.param) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) here, got {self.best_of}", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt or a batch: text, token ids, or a list of either."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompts
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported by this server", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise validation_error(error) from None
+    request.refuse_unsupported()
+    return request

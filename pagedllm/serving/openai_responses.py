@@ -1,0 +1,169 @@
+"""Response bodies and stream chunks in OpenAI's shapes, built from engine outputs.
+
+A request with several prompts (completions) and/or n samples has one
+choice per (prompt, sample): choice index = prompt index * n + sample index.
+`ChoiceTracker` remembers, per choice, how many tokens' log-probabilities were
+already sent, so a stream sends each token's once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedllm.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
+
+Decode = Callable[[list[int]], str]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    # "abort" never reaches a client: an aborted request has no one listening.
+    return completion.finish_reason if completion.finished else None
+
+
+def completion_logprobs(entries: list[TokenLogprob], decode: Decode, text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists, alternatives as {token text: logprob}."""
+    tokens = [decode([e.token_id]) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], decode: Decode) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class ChoiceTracker:
+    """Builds a response for one API request from the outputs of its engine requests."""
+
+    chat: bool
+    model: str
+    n: int
+    request_ids: list[str]  # one engine request per prompt, in prompt order
+    decode: Decode
+    want_logprobs: bool
+    id: str = field(default_factory=lambda: "")
+    created: int = field(default_factory=lambda: int(time.time()))
+    latest: dict[str, RequestOutput] = field(default_factory=dict)
+    _logprobs_sent: dict[int, int] = field(default_factory=dict)
+    _text_sent: dict[int, int] = field(default_factory=dict)
+    _finish_sent: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
+        self._prompt_index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def choice_index(self, output: RequestOutput, completion: CompletionOutput) -> int:
+        return self._prompt_index[output.request_id] * self.n + completion.index
+
+    def _logprobs(self, index: int, completion: CompletionOutput, text_offset: int) -> dict | None:
+        if not self.want_logprobs or completion.logprobs is None:
+            return None
+        sent = self._logprobs_sent.get(index, 0)
+        entries = completion.logprobs[sent:]
+        self._logprobs_sent[index] = sent + len(entries)
+        if self.chat:
+            return chat_logprobs(entries, self.decode)
+        return completion_logprobs(entries, self.decode, text_offset)
+
+    # --- streaming ---------------------------------------------------------------------
+
+    def chunk(self, output: RequestOutput) -> dict | None:
+        """The chunk for one step's output: every choice that has new text or just finished."""
+        self.latest[output.request_id] = output
+        choices = []
+        for completion in output.outputs:
+            index = self.choice_index(output, completion)
+            reason = finish_reason(completion)
+            if not completion.delta and (reason is None or index in self._finish_sent):
+                continue
+            offset = self._text_sent.get(index, 0)
+            self._text_sent[index] = offset + len(completion.delta)
+            choice: dict = {
+                "index": index,
+                "logprobs": self._logprobs(index, completion, offset),
+                "finish_reason": reason,
+            }
+            if self.chat:
+                choice["delta"] = {"content": completion.delta} if completion.delta else {}
+            else:
+                choice["text"] = completion.delta
+            if reason is not None:
+                self._finish_sent.add(index)
+            choices.append(choice)
+        return self._envelope(choices) if choices else None
+
+    def role_chunk(self) -> dict:
+        """Chat streams open with the assistant role, one chunk per choice."""
+        choices = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(len(self.request_ids) * self.n)
+        ]
+        return self._envelope(choices)
+
+    def usage_chunk(self) -> dict:
+        return {**self._envelope([]), "usage": self.usage()}
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    # --- whole responses ---------------------------------------------------------------
+
+    def response(self) -> dict:
+        choices = []
+        for request_id in self.request_ids:
+            output = self.latest[request_id]
+            for completion in output.outputs:
+                index = self.choice_index(output, completion)
+                choice: dict = {
+                    "index": index,
+                    "logprobs": self._logprobs(index, completion, 0),
+                    "finish_reason": finish_reason(completion),
+                }
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": completion.text}
+                else:
+                    choice["text"] = completion.text
+                choices.append(choice)
+        choices.sort(key=lambda c: c["index"])
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        return {**body, "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict:
+        outputs = [self.latest[r] for r in self.request_ids if r in self.latest]
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return usage(prompt, generated)
