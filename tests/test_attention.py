@@ -104,13 +104,13 @@ def test_cpp_kernel_builds_here():
 
 
 @pytest.mark.parametrize("attention", FAST_PATHS)
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slots_outside_every_context_never_reach_the_output(attention, head_dim, dtype):
     """Freed or never-written slots may hold anything, NaN included (a block's tail past
     its request's length, the padding block 0): no path may read them into a result."""
-    if attention is cpp_attention and head_dim != 64:
-        pytest.skip("the C++ kernel is head_dim 64 only")
+    if attention is cpp_attention and head_dim == 16:
+        pytest.skip("the C++ kernels take head_dim 64, 128 or 256")
     block_size = 16
     q, cache, meta, _ = make_batch(2, block_size, 2, 2, head_dim, RAGGED, dtype=dtype)
     expected = reference_attention(q, cache, meta)
@@ -146,10 +146,11 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
     assert not plain.has_gemv
     monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
-    q, cache, meta, _ = make_batch(7, 16, 3, 3, 64, RAGGED, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    expected = reference_attention(q, cache, meta).float()
-    torch.testing.assert_close(cpp_attention(q, cache, meta).float(), expected, atol=tol, rtol=tol)
+    for head_dim, window in ((64, 0), (128, 16), (256, 0)):
+        q, cache, meta, _ = make_batch(7, 16, 3, 3, head_dim, RAGGED, dtype=dtype)
+        expected = reference_attention(q, cache, meta, window).float()
+        torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
 
 
 WINDOWED = [(0, 1), (5, 1), (0, 37), (33, 1), (16, 16), (40, 9), (0, 64), (127, 1), (70, 30), (64, 1), (200, 3)]
@@ -181,3 +182,27 @@ def test_sliding_window_matches_reference_and_never_reads_older_slots(
     cache.view(2, -1, *cache.shape[3:])[:, ~visible] = float("nan")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(attention(q, cache, meta, window).float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("attention", FAST_PATHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_64_128_256(attention, head_dim, window, dtype):
+    """The head sizes of SmolLM2 (64), Qwen3 (128) and Gemma 3 (256), GQA 1:3 and 1:4."""
+    for kv_heads, group in ((3, 3), (1, 4)):
+        q, cache, meta, _ = make_batch(head_dim + window, 16, kv_heads, group, head_dim, WINDOWED, dtype=dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        expected = reference_attention(q, cache, meta, window).float()
+        torch.testing.assert_close(attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
+
+
+def test_cpp_attention_is_chosen_for_every_supported_head_dim(caplog):
+    from pagedllm.execution.attention import select_attention
+
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        for head_dim in (64, 128, 256):
+            assert select_attention("auto", head_dim, 16) is cpp_attention
+        assert not caplog.records
+        assert select_attention("auto", 96, 16) is torch_attention
+    assert "pure-torch path" in caplog.text

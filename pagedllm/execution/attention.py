@@ -17,13 +17,16 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.cpu_kernels import load_cpu_kernels
+from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
+
+logger = logging.getLogger("pagedllm")
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -158,18 +161,29 @@ def triton_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
 
 def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cpu"):
     """auto: on CUDA the Triton kernel; on the CPU the C++ kernels where they apply (head_dim 64,
-    at most 64 heads) and build, else pure torch."""
+    128 or 256, at most 64 heads) and build, else pure torch, with a warning saying why."""
     if name == "triton" or (name == "auto" and device.startswith("cuda")):
         return triton_attention
     if name == "reference":
         return reference_attention
     if name == "torch":
         return torch_attention
-    if name == "cpp" and (head_dim != 64 or num_heads > 64):
-        raise ValueError(f"attention='cpp' needs head_dim 64 and at most 64 heads, not {head_dim} and {num_heads}")
-    if name == "cpp" or (name == "auto" and head_dim == 64 and num_heads <= 64):
-        if load_cpu_kernels() is not None:
-            return cpp_attention
-        if name == "cpp":
-            raise RuntimeError("attention='cpp' asked for, but the C++ kernel could not be built (see the log)")
+    fits = head_dim in ATTENTION_HEAD_DIMS and num_heads <= 64
+    if name == "cpp" and not fits:
+        raise ValueError(
+            f"attention='cpp' needs head_dim {ATTENTION_HEAD_DIMS} and at most 64 heads, not {head_dim} and {num_heads}"
+        )
+    if not fits:
+        logger.warning(
+            "attention: the C++ kernels take head_dim %s and at most 64 heads (this model: %d and %d); "
+            "using the slower pure-torch path",
+            ATTENTION_HEAD_DIMS,
+            head_dim,
+            num_heads,
+        )
+        return torch_attention
+    if load_cpu_kernels() is not None:
+        return cpp_attention
+    if name == "cpp":
+        raise RuntimeError("attention='cpp' asked for, but the C++ kernel could not be built (see the log)")
     return torch_attention

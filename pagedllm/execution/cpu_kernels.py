@@ -41,8 +41,8 @@ _COMPILER = os.environ.get("CXX", "g++")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": [_P] * 7 + [_I] * 5 + [_F, _I],
-    "paged_prefill_attention": [_P] * 8 + [_I] * 5 + [_F, _I],
+    "paged_decode_attention": [_P] * 7 + [_I] * 5 + [_F, _I, _I],
+    "paged_prefill_attention": [_P] * 8 + [_I] * 5 + [_F, _I, _I],
     "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F],
     "rope_write_kv": [_P] * 8 + [_I] * 4,
     "silu_mul": [_P] * 2 + [_I] * 2,
@@ -50,6 +50,13 @@ _SIGNATURES = {
 # Built for bfloat16 only (AVX512-BF16); `gemv_bf16_available` says whether this build has it.
 _BF16_ONLY = {"gemv": [_P] * 3 + [_I] * 3}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
+
+
+def _head_dim(q: torch.Tensor) -> int:
+    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"the C++ attention kernels take head_dim {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}")
+    return q.shape[-1]
 
 
 def cpu_flags() -> str:
@@ -153,13 +160,15 @@ class CpuKernels:
     def paged_decode_attention(
         self, q, k_cache, v_cache, out, rows, seq_lens, tables, scale: float, window: int = 0
     ) -> None:
-        """q, out [tokens, heads, 64]; caches [num_blocks, block_size, kv_heads, 64]; per request its
-        query row, context length and block table (int64); `window` > 0: a sliding window."""
+        """q, out [tokens, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim], head_dim
+        in ATTENTION_HEAD_DIMS; per request its query row, context length and block table (int64);
+        `window` > 0: a sliding window."""
         _check(q, k_cache, v_cache, out, rows, seq_lens, tables)
         kv_heads = k_cache.shape[2]
         self._fn("paged_decode_attention", q.dtype)(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(rows), _ptr(seq_lens), _ptr(tables),
             rows.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads, scale, window,
+            _head_dim(q),
         )  # fmt: skip
 
     def paged_prefill_attention(
@@ -171,7 +180,7 @@ class CpuKernels:
         self._fn("paged_prefill_attention", q.dtype)(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(starts), _ptr(lens), _ptr(seq_lens),
             _ptr(tables), starts.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads,
-            scale, window,
+            scale, window, _head_dim(q),
         )  # fmt: skip
 
     def add_rms_norm(

@@ -1,6 +1,7 @@
 // Paged attention on the CPU, reading K/V in place through the block tables:
 // a decode kernel (one query token per request) and a prefill kernel (chunks of
-// query tokens over their cached context).  head_dim 64.  With a sliding window W
+// query tokens over their cached context).  head_dim 64, 128 or 256 (a template
+// parameter D; the register tiles cover 64 dims, C, and loop over D / C).  With a sliding window W
 // (W > 0), the query at position p sees keys p - W + 1 .. p only; W = 0 is full
 // causal attention.
 //
@@ -28,7 +29,7 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t D = 64;
+constexpr int64_t C = 64;  // dims per register tile; head_dim D is a multiple of it
 constexpr int64_t kKeys = 16;  // keys per score tile
 
 // Walks one request's context from position `start` to `len` through its block table,
@@ -89,47 +90,49 @@ inline void load_query(const bf16* q, QueryRegs& r) {
   for (int j = 0; j < 4; ++j) r.f[j] = load16(q + 16 * j);
 #endif
 }
-// q . k as 16 partial sums, for one key of 64 elements.
-inline __m512 dot_partial(const float* k, const QueryRegs& q) {
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), q.f[0]);
-  for (int j = 1; j < 4; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * j), q.f[j], acc);
+// acc + q . k as 16 partial sums, for 64 elements of one key.
+inline __m512 dot_acc(const float* k, const QueryRegs& q, __m512 acc) {
+  for (int j = 0; j < 4; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * j), q.f[j], acc);
   return acc;
 }
-inline __m512 dot_partial(const bf16* k, const QueryRegs& q) {
+inline __m512 dot_acc(const bf16* k, const QueryRegs& q, __m512 acc) {
 #if defined(__AVX512BF16__)
-  const __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q.b[0]);
+  acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k), q.b[0]);
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + 32), q.b[1]);
 #else
-  __m512 acc = _mm512_mul_ps(load16(k), q.f[0]);
-  for (int j = 1; j < 4; ++j) acc = _mm512_fmadd_ps(load16(k + 16 * j), q.f[j], acc);
+  for (int j = 0; j < 4; ++j) acc = _mm512_fmadd_ps(load16(k + 16 * j), q.f[j], acc);
   return acc;
 #endif
 }
 
 // Scores of every query head against one tile of keys (all KV heads of each key row).
-template <typename T>
+template <int64_t D, typename T>
 inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
                         float* scores, int64_t ld) {
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < kv_heads; ++h)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t head = h * group + g;
-      QueryRegs qr;
-      load_query(q + head * D, qr);
       __m512 partial[kKeys];
-      for (int64_t i = 0; i < kKeys; ++i) partial[i] = dot_partial(rows[i] + h * D, qr);
+      for (int64_t i = 0; i < kKeys; ++i) partial[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += C) {  // 64 dims of the query in registers at a time
+        QueryRegs qr;
+        load_query(q + head * D + c, qr);
+        for (int64_t i = 0; i < kKeys; ++i) partial[i] = dot_acc(rows[i] + h * D + c, qr, partial[i]);
+      }
       _mm512_storeu_ps(scores + head * ld + t0, _mm512_mul_ps(hsum16(partial), scale_v));
     }
 }
 
-// acc[g] += sum over the tile's n keys of p[g][t] v[t], for G query heads of one KV head
-// (the accumulators stay in registers for the tile: 4G of them).
+// acc[g] += sum over the tile's n keys of p[g][t] v[t], for G query heads of one KV head and
+// 64 of its dims (the accumulators stay in registers for the tile: 4G of them); head g's
+// accumulators start at acc + g * stride.
 template <int G, typename T>
 inline void tile_values(const float* probs, const T* const* rows, int64_t n, int64_t offset, int64_t ld,
-                        float* acc) {
+                        float* acc, int64_t stride) {
   __m512 a[G][4];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * stride + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     const T* v = rows[i] + offset;
     __m512 row[4];
@@ -140,14 +143,14 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * stride + 16 * j, a[g][j]);
 }
 
 #if defined(__AVX512BF16__)
 // bfloat16 values with AVX512-BF16: keys two at a time through `vdpbf16ps`, the weights
 // rounded to bfloat16 first (as GPU flash attention rounds P before P.V).  Two V rows are
 // interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
-// accumulators hold the 64 dims in `paired_dim` order, put back by `unpair_values`.
+// accumulators hold each 64 dims in `paired_dim` order, put back by `unpair_values`.
 inline int64_t paired_dim(int64_t q) {
   const int64_t b = q / 16, j = q % 16;
   return (b / 2) * 32 + 8 * (j / 4) + (b % 2) * 4 + j % 4;
@@ -155,10 +158,10 @@ inline int64_t paired_dim(int64_t q) {
 
 template <int G>
 inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
-                             int64_t ld_pairs, float* acc) {
+                             int64_t ld_pairs, float* acc, int64_t stride) {
   __m512 a[G][4];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * stride + 16 * j);
   for (int64_t i = 0; i < n; i += 2) {  // an odd tail pairs with the tile's repeated row, whose weight is 0
     const bf16* v0 = rows[i] + offset;
     const bf16* v1 = rows[i + 1] + offset;
@@ -172,7 +175,7 @@ inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* ro
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * stride + 16 * j, a[g][j]);
 }
 
 // The softmax weights of every head as bfloat16, zero past `len` (to the tile's end).
@@ -186,6 +189,7 @@ inline void weights_to_bf16(const float* probs, int64_t heads, int64_t len, int6
     }
 }
 
+template <int64_t D>
 inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
                             int64_t group, int64_t ld, float* acc) {
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights);
@@ -194,46 +198,52 @@ inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_
     for (int64_t g = 0; g < group;) {
       const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
       const uint32_t* p = pairs + head * ld_pairs + t0 / 2;
-      float* a = acc + head * D;
-      switch (count) {
-        case 4: tile_value_pairs<4>(p, rows, n, h * D, ld_pairs, a); break;
-        case 3: tile_value_pairs<3>(p, rows, n, h * D, ld_pairs, a); break;
-        case 2: tile_value_pairs<2>(p, rows, n, h * D, ld_pairs, a); break;
-        default: tile_value_pairs<1>(p, rows, n, h * D, ld_pairs, a); break;
+      for (int64_t c = 0; c < D; c += C) {
+        float* a = acc + head * D + c;
+        switch (count) {
+          case 4: tile_value_pairs<4>(p, rows, n, h * D + c, ld_pairs, a, D); break;
+          case 3: tile_value_pairs<3>(p, rows, n, h * D + c, ld_pairs, a, D); break;
+          case 2: tile_value_pairs<2>(p, rows, n, h * D + c, ld_pairs, a, D); break;
+          default: tile_value_pairs<1>(p, rows, n, h * D + c, ld_pairs, a, D); break;
+        }
       }
       g += count;
     }
 }
 
+template <int64_t D>
 inline void unpair_values(float* acc, int64_t heads) {
-  float tmp[D];
-  for (int64_t h = 0; h < heads; ++h) {
-    float* a = acc + h * D;
-    for (int64_t q = 0; q < D; ++q) tmp[paired_dim(q)] = a[q];
-    std::copy(tmp, tmp + D, a);
-  }
+  float tmp[C];
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < D; c += C) {
+      float* a = acc + h * D + c;
+      for (int64_t q = 0; q < C; ++q) tmp[paired_dim(q)] = a[q];
+      std::copy(tmp, tmp + C, a);
+    }
 }
 #endif
 
-template <typename T>
+template <int64_t D, typename T>
 inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
                             int64_t group, int64_t ld, float* acc) {
   for (int64_t h = 0; h < kv_heads; ++h)
     for (int64_t g = 0; g < group;) {
       const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
       const float* p = probs + head * ld + t0;
-      float* a = acc + head * D;
-      switch (count) {
-        case 4: tile_values<4>(p, rows, n, h * D, ld, a); break;
-        case 3: tile_values<3>(p, rows, n, h * D, ld, a); break;
-        case 2: tile_values<2>(p, rows, n, h * D, ld, a); break;
-        default: tile_values<1>(p, rows, n, h * D, ld, a); break;
+      for (int64_t c = 0; c < D; c += C) {
+        float* a = acc + head * D + c;
+        switch (count) {
+          case 4: tile_values<4>(p, rows, n, h * D + c, ld, a, D); break;
+          case 3: tile_values<3>(p, rows, n, h * D + c, ld, a, D); break;
+          case 2: tile_values<2>(p, rows, n, h * D + c, ld, a, D); break;
+          default: tile_values<1>(p, rows, n, h * D + c, ld, a, D); break;
+        }
       }
       g += count;
     }
 }
 #else
-template <typename T>
+template <int64_t D, typename T>
 inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
                         float* scores, int64_t ld) {
   for (int64_t h = 0; h < kv_heads; ++h)
@@ -251,7 +261,7 @@ inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv
     }
 }
 
-template <typename T>
+template <int64_t D, typename T>
 inline void tile_all_values(const float* probs, const T* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
                             int64_t group, int64_t ld, float* acc) {
   for (int64_t i = 0; i < n; ++i)
@@ -319,7 +329,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, f
 // block order, so each block's contiguous memory streams through the cache once.  Its
 // keys are positions start .. seq_len - 1 (start > 0 under a sliding window); `len`
 // counts them, and scores are indexed from `start`.
-template <typename T>
+template <int64_t D, typename T>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t seq_len,
                 int64_t window, int64_t block_size, int64_t kv_heads, int64_t group, float scale,
                 std::vector<float>& buf) {
@@ -336,7 +346,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
   for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
     keys_ahead.next();
     keys.next(rows);
-    tile_scores(q, rows, t0, kv_heads, group, scale, scores, ld);
+    tile_scores<D>(q, rows, t0, kv_heads, group, scale, scores, ld);
   }
   TilePrefetcher<T> values_ahead(v_cache, table, start, seq_len, block_size, row);  // in flight during the softmax
   softmax_rows(scores, heads, len, ld, inv_sum);
@@ -352,20 +362,20 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
     const int64_t n = values.next(rows);
 #if defined(__AVX512BF16__)
     if constexpr (paired) {
-      tile_all_values(narrow, rows, n, t0, kv_heads, group, ld, acc);
+      tile_all_values<D>(narrow, rows, n, t0, kv_heads, group, ld, acc);
       continue;
     }
 #endif
-    tile_all_values(scores, rows, n, t0, kv_heads, group, ld, acc);
+    tile_all_values<D>(scores, rows, n, t0, kv_heads, group, ld, acc);
   }
 #if defined(__AVX512BF16__)
-  if constexpr (paired) unpair_values(acc, heads);
+  if constexpr (paired) unpair_values<D>(acc, heads);
 #endif
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(acc[h * D + d] * inv_sum[h]);
 }
 
-template <typename T>
+template <int64_t D, typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows,
                    const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,
                    int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {
@@ -377,7 +387,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_requests; ++b)
-      decode_one(q + rows[b] * heads * D, k_cache, v_cache, out + rows[b] * heads * D, block_tables + b * max_blocks,
+      decode_one<D>(q + rows[b] * heads * D, k_cache, v_cache, out + rows[b] * heads * D, block_tables + b * max_blocks,
                  seq_lens[b], window, block_size, kv_heads, group, scale, buf);
   }
 }
@@ -414,7 +424,7 @@ constexpr int64_t kRowsPerItem = PAGEDLLM_ROWS_PER_ITEM;
 constexpr int64_t kRowBlock = PAGEDLLM_ROW_BLOCK;
 constexpr int64_t kDimBlock = 16;
 
-template <typename T>
+template <int64_t D, typename T>
 inline void load_tile(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t block_size,
                       int64_t kv_heads, int64_t h, float* dst, bool transpose) {
   for (int64_t i = 0; i < kKeyTile; ++i) {
@@ -433,7 +443,7 @@ inline void load_tile(const T* cache, const int64_t* table, int64_t k0, int64_t 
   }
 }
 
-template <typename T>
+template <int64_t D, typename T>
 void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
                   int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
                   int64_t group, int64_t h, float scale, std::vector<float>& buf) {
@@ -464,7 +474,7 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
 
   // 1. scores
   for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-    load_tile(k_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, tile, true);
+    load_tile<D>(k_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, tile, true);
     for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
       if (k0 >= block_keys(r0)) continue;  // wholly in the causal future of these rows
       float s[kRowBlock][kKeyTile] = {};
@@ -502,7 +512,7 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   // block of kRowBlock rows x kDimBlock dims sums over all its visible keys in registers.
   float* values = tile + D * kKeyTile;  // [width][D]
   for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile)
-    load_tile(v_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, values + k0 * D,
+    load_tile<D>(v_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, values + k0 * D,
               false);
   for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
     const int64_t keys = std::min(block_keys(r0), num_keys);
@@ -528,7 +538,7 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     }
 }
 
-template <typename T>
+template <int64_t D, typename T>
 void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts,
                     const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_tables,
                     int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
@@ -549,7 +559,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
       const Item& it = items[i];
       const int64_t b = it.request;
       const int64_t first_pos = seq_lens[b] - query_lens[b] + it.first_token;
-      prefill_item(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
+      prefill_item<D>(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
                    first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, buf);
     }
   }
@@ -561,24 +571,44 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
 
 using pagedllm::bf16;
 
-// q, out: [num_tokens, num_heads, 64]; k_cache, v_cache: [num_blocks, block_size, kv_heads, 64].
+// q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
+// head_dim 64, 128 or 256 (the caller checks; another size does nothing).
 // Decode: rows = the query row of each decoding request; seq_lens and block tables per request.
 // Prefill: per prefilling request its first query row, number of new tokens, context length
 // after the step, and block table.  window: the sliding window (0: none).
-#define PAGEDLLM_ATTENTION(SUFFIX, T)                                                                              \
-  PAGEDLLM_API void paged_decode_attention_##SUFFIX(                                                              \
-      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,        \
-      const int64_t* block_tables, int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads, \
-      int64_t group, float scale, int64_t window) {                                                               \
-    pagedllm::decode_kernel<T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, max_blocks,    \
-                               block_size, kv_heads, group, scale, window);                                       \
-  }                                                                                                               \
-  PAGEDLLM_API void paged_prefill_attention_##SUFFIX(                                                             \
+#define PAGEDLLM_ATTENTION(SUFFIX, T)                                                                               \
+  PAGEDLLM_API void paged_decode_attention_##SUFFIX(                                                               \
+      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,         \
+      const int64_t* block_tables, int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads,  \
+      int64_t group, float scale, int64_t window, int64_t head_dim) {                                              \
+    switch (head_dim) {                                                                                            \
+      case 64: pagedllm::decode_kernel<64, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, \
+                                              max_blocks, block_size, kv_heads, group, scale, window); break;        \
+      case 128: pagedllm::decode_kernel<128, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
+                                                num_requests, max_blocks, block_size, kv_heads, group, scale,       \
+                                                window); break;                                                     \
+      case 256: pagedllm::decode_kernel<256, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
+                                                num_requests, max_blocks, block_size, kv_heads, group, scale,       \
+                                                window); break;                                                     \
+      default: break;                                                                                              \
+    }                                                                                                              \
+  }                                                                                                                \
+  PAGEDLLM_API void paged_prefill_attention_##SUFFIX(                                                              \
       const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts, const int64_t* query_lens, \
-      const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,              \
-      int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {                          \
-    pagedllm::prefill_kernel<T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens, block_tables,         \
-                                num_requests, max_blocks, block_size, kv_heads, group, scale, window);             \
+      const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,               \
+      int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window, int64_t head_dim) {         \
+    switch (head_dim) {                                                                                            \
+      case 64: pagedllm::prefill_kernel<64, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,        \
+                                               block_tables, num_requests, max_blocks, block_size, kv_heads, group, \
+                                               scale, window); break;                                               \
+      case 128: pagedllm::prefill_kernel<128, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
+                                                 block_tables, num_requests, max_blocks, block_size, kv_heads,      \
+                                                 group, scale, window); break;                                      \
+      case 256: pagedllm::prefill_kernel<256, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
+                                                 block_tables, num_requests, max_blocks, block_size, kv_heads,      \
+                                                 group, scale, window); break;                                      \
+      default: break;                                                                                              \
+    }                                                                                                              \
   }
 
 PAGEDLLM_ATTENTION(f32, float)
