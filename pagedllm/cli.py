@@ -26,7 +26,12 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     """Engine flags; with `sweep`, --block-size takes a comma-separated list (bench)."""
     defaults = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF checkpoint directory (default: bundled SmolLM2)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a bundled model (smollm2, gemma3-270m), a GGUF file or a Hugging Face checkpoint directory "
+        "(default: smollm2)",
+    )
     g.add_argument(
         "--dtype",
         default=defaults["dtype"].default,
@@ -393,8 +398,10 @@ def served_model_name(model: str | None) -> str:
     """The name clients pass as `model`: the bundled model's name, else the file's or folder's name."""
     from pathlib import Path
 
-    if model is None:
-        return "SmolLM2-135M-Instruct"
+    from pagedllm.models.loader import BUNDLED_MODELS, DEFAULT_MODEL
+
+    if model is None or model in BUNDLED_MODELS:
+        return BUNDLED_MODELS[model or DEFAULT_MODEL].name
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 

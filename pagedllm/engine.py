@@ -79,6 +79,7 @@ class LLMEngine:
         self.model_config = model_config
         self.linear_backend = built.linear_backend
         self.max_model_len = built.max_model_len
+        self.model_path = built.path  # the resolved file or directory the weights came from
         self.tokenizer = Tokenizer(built.path)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:

@@ -1,6 +1,8 @@
 """Architectures beside llama, on tiny random-weight checkpoints that transformers builds:
 Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Mistral (a sliding window shorter than
-the prompts) and Qwen2 with sliding-window layers mixed with full ones.  Greedy tokens
+the prompts), Qwen2 with sliding-window layers mixed with full ones, and Gemma 3 (four
+(1 + w) norms per layer, q/k norms, GeGLU, scaled embeddings, five sliding layers then a
+full one, two rotary bases, its own q.k scale).  Greedy tokens
 equal transformers' and logits within 1e-4, alone and batched, with chunked prefill
 that crosses the window's edge and with prefix-cache hits."""
 
@@ -30,6 +32,7 @@ CASES = {
     "mistral-window": ("mistral", {"sliding_window": 24}),
     # Layers 1 and 2 slide (from max_window_layers on), layer 0 attends to everything.
     "qwen2-mixed-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}),
+    "gemma3": ("gemma3_text", {"num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 48}),
 }
 
 
@@ -37,12 +40,22 @@ CASES = {
 def checkpoint(request, tmp_path_factory):
     model_type, extra = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    model = save_random_model(path, model_type, **SHAPE, **extra)
+    model = save_random_model(path, model_type, **{**SHAPE, **extra})
+    if model_type == "gemma3_text":  # transformers starts Gemma's norm weights at 0 (a scale of 1): make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
+        model.save_pretrained(path)
     return request.param, path, model
 
 
 def expected_windows(name: str) -> tuple[int, ...]:
-    return {"mistral-window": (24, 24, 24), "qwen2-mixed-window": (0, 20, 20)}.get(name, (0, 0, 0))
+    return {
+        "mistral-window": (24, 24, 24),
+        "qwen2-mixed-window": (0, 20, 20),
+        "gemma3": (16, 16, 16, 16, 16, 0),
+    }.get(name, (0, 0, 0))
 
 
 @pytest.mark.parametrize("attention", ["cpp", "torch"])
@@ -52,8 +65,8 @@ def test_greedy_and_logits_match_transformers(checkpoint, attention):
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_num_batched_tokens=32,
               attention=attention)  # fmt: skip
     config = llm.engine.model_config
-    assert config.architecture == CASES[name][0] and config.layer_windows == expected_windows(name)
-    assert config.attention_bias == name.startswith("qwen2") and config.qk_norm == (name == "qwen3")
+    assert config.architecture == CASES[name][0].removesuffix("_text") and config.layer_windows == expected_windows(name)
+    assert config.attention_bias == name.startswith("qwen2") and config.qk_norm == (name in ("qwen3", "gemma3"))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40, 70)]
     expected = [hf_greedy(hf_model, prompt, 24) for prompt in prompts]

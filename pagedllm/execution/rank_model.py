@@ -30,6 +30,7 @@ from pagedllm.execution.fused_ops import select_ops
 from pagedllm.execution.linear import resolve_linear_backend
 from pagedllm.models.llama import LlamaModel
 from pagedllm.models.loader import ModelConfig, load_weights, resolve_model_path
+from pagedllm.models.registry import model_class
 
 logger = logging.getLogger("pagedllm")
 
@@ -115,7 +116,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
     # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
-    model = LlamaModel(model_config, dtype, max_model_len, attention, tp, ops)
+    model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
     linear_backend = resolve_linear_backend(config.linear, dtype)
     # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
     model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")

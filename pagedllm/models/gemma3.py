@@ -1,0 +1,135 @@
+"""Gemma 3 (text) on the llama layers, with what differs:
+
+- four RMSNorms per layer (before and after attention, before and after the MLP), each
+  scaling by (1 + w) in float32 before rounding to the model's dtype;
+- RMSNorms over each head of q and of k, before rotary (Gemma's (1 + w) norm);
+- GeGLU: GELU (tanh approximation) of the gate times up;
+- embeddings scaled by sqrt(hidden_size) (the factor rounded to the model's dtype);
+- sliding-window layers (five of every six) with their own rotary base, full layers with
+  another; q.k scaled by query_pre_attn_scalar ** -0.5; an optional tanh cap on the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
+from pagedllm.execution.attention_metadata import AttentionMetadata
+from pagedllm.execution.fused_ops import LayerOps, Rotary
+from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel
+from pagedllm.models.loader import ModelConfig
+
+
+def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalized in float32, times (1 + w) in float32, then rounded."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    """A llama layer's projections plus Gemma's extra norms; every norm weight is kept as
+    (1 + w) in float32."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, shard: ShardLayout, tp: TensorParallel, window: int = 0
+    ) -> None:
+        super().__init__(config, dtype, shard, tp, window)
+        hidden, d = config.hidden_size, config.head_dim
+        f32 = torch.float32
+        for name, size in (
+            ("input_norm", hidden),
+            ("post_norm", hidden),  # after attention
+            ("pre_ffn_norm", hidden),
+            ("post_ffn_norm", hidden),
+            ("q_norm", d),
+            ("k_norm", d),
+        ):
+            setattr(self, name, nn.Parameter(torch.empty(size, dtype=f32), requires_grad=False))
+        scalar = config.query_pre_attn_scalar or d
+        self.q_scale = (d / scalar) ** 0.5  # the kernels scale by d ** -0.5; Gemma by scalar ** -0.5
+
+    def normalize_heads(self, qkv: torch.Tensor) -> None:
+        q_size, kv_size, _ = self.split
+        d = self.head_dim
+        q = qkv[:, :q_size].unflatten(-1, (-1, d))
+        k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (-1, d))
+        q.copy_(gemma_rms_norm(q, self.q_norm, self.eps))
+        k.copy_(gemma_rms_norm(k, self.k_norm, self.eps))
+
+    def forward(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: Rotary,
+        attention: AttentionFn,
+        ops: LayerOps,
+    ) -> torch.Tensor:
+        linears, eps = self.linears, self.eps
+        if delta is not None:
+            residual.add_(delta)
+        qkv = linears["qkv_proj"](gemma_rms_norm(residual, self.input_norm, eps))
+        self.normalize_heads(qkv)
+        q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
+        residual.add_(gemma_rms_norm(attn, self.post_norm, eps))
+        gate, up = linears["gate_up_proj"](gemma_rms_norm(residual, self.pre_ffn_norm, eps)).chunk(2, dim=-1)
+        mlp = self.tp.all_reduce(linears["down_proj"](F.gelu(gate, approximate="tanh") * up))
+        return gemma_rms_norm(mlp, self.post_ffn_norm, eps)
+
+
+class Gemma3Model(LlamaModel):
+    layer_class = Gemma3DecoderLayer
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, max_len: int, attention: AttentionFn, tp=None, ops=None
+    ):
+        super().__init__(config, dtype, max_len, attention, tp, ops)
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.local_rotary = Rotary(config.head_dim, config.rope_local_theta or config.rope_theta, max_len, dtype)
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
+
+    def load_hf_weights(
+        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch_gemv: bool = True
+    ) -> None:
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                for ours, theirs in (
+                    ("pre_ffn_norm", "pre_feedforward_layernorm"),
+                    ("post_ffn_norm", "post_feedforward_layernorm"),
+                ):
+                    getattr(layer, ours).copy_(self.take(weights, p + theirs + ".weight"))
+        super().load_hf_weights(weights, linear_backend, small_batch_gemv)
+        with torch.no_grad():  # every norm: (1 + w), in float32
+            for layer in self.layers:
+                for name in ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm"):
+                    getattr(layer, name).add_(1.0)
+            self.norm.add_(1.0)
+
+    def rotary_for(self, layer: DecoderLayer) -> Rotary:
+        return self.local_rotary if layer.window else self.rotary
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        residual, delta = self.embed(input_ids) * self.embed_scale, None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            delta = layer(delta, residual, positions, kv_cache, meta, self.rotary_for(layer), self.attention, self.ops)
+        residual.add_(delta)
+        return gemma_rms_norm(residual, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if logits is not None and cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
