@@ -65,7 +65,9 @@ def test_greedy_and_logits_match_transformers(checkpoint, attention):
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_num_batched_tokens=32,
               attention=attention)  # fmt: skip
     config = llm.engine.model_config
-    assert config.architecture == CASES[name][0].removesuffix("_text") and config.layer_windows == expected_windows(name)
+    assert config.architecture == CASES[name][0].removesuffix("_text") and config.layer_windows == expected_windows(
+        name
+    )
     assert config.attention_bias == name.startswith("qwen2") and config.qk_norm == (name in ("qwen3", "gemma3"))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40, 70)]

@@ -68,3 +68,20 @@ def test_bench_compare_writes_the_report_folder(tmp_path, capsys):
     assert paged > 0.7 and contiguous < 0.5 and paged > contiguous + 0.25
     for plot in ("kv_utilization", "running", "kv_memory", "throughput", "block_size"):
         assert (report / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+
+
+def test_a_report_without_matplotlib_still_has_its_summary_and_series(tmp_path, monkeypatch, capsys, caplog):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    report = tmp_path / "report"
+    argv = ["bench", "--dataset", "random", "--num-prompts", "3", "--input-len", "20", "--output-len", "4"]
+    argv += ["--report-dir", str(report), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]
+    assert main(argv) == 0
+    summary = json.loads((report / "summary.json").read_text())
+    assert "matplotlib is not installed" in summary["plots_skipped"] and "plots" not in summary
+    assert (report / "series-paged-bs16.csv").is_file() and not list(report.glob("*.png"))
+    assert "no plots" in caplog.text

@@ -11,7 +11,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gc
+import importlib.util
 import json
+import logging
 from pathlib import Path
 
 from pagedllm.benchmarking.settings import BenchSetting
@@ -19,6 +21,9 @@ from pagedllm.benchmarking.throughput import run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_metrics import SAMPLE_COLUMNS
 from pagedllm.engine import LLMEngine
+
+logger = logging.getLogger("pagedllm")
+PLOTS_INSTALL = "pip install 'pagedllm[bench]'"
 
 
 def run_compare(
@@ -39,6 +44,9 @@ def run_compare(
         )
         for s in settings
     ]
+    plots = importlib.util.find_spec("matplotlib") is not None
+    if not plots:  # said now, not after a long run: the summary and series are written regardless
+        logger.warning("%s: no plots (matplotlib is not installed: %s)", report, PLOTS_INSTALL)
     results: dict[str, dict] = {}
     series: dict[str, list[dict]] = {}
     for setting, config in zip(settings, configs):
@@ -51,6 +59,10 @@ def run_compare(
     summary = {"workload": workload_name, "requests": len(requests), "settings": results}
     (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
+    if not plots:
+        summary["plots_skipped"] = f"matplotlib is not installed: {PLOTS_INSTALL}"
+        (report / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
     from pagedllm.benchmarking.plots import draw_report
 
     summary["plots"] = [p.name for p in draw_report(report, settings, results, series)]
