@@ -514,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.log_level.upper() != "DEBUG":  # one line per HTTP call from the openai client is noise
+        for noisy in ("httpx", "httpcore", "openai"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
