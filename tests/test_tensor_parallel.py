@@ -330,3 +330,21 @@ def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
         assert "tensor-parallel worker rank 1 killed by signal 9" in stderr
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_other_architectures_at_two_ranks_match_one_rank(name, tmp_path):
+    """Qwen2's q/k/v biases are split with their heads; Gemma 3's norms (float32, (1 + w)),
+    its windows and its replicated single KV head work across ranks."""
+    from hf_reference import hf_greedy, save_random_model
+    from test_architectures import CASES, SHAPE
+
+    model_type, extra = CASES[name]
+    hf_model = save_random_model(tmp_path, model_type, **{**SHAPE, **extra})
+    prompts = [torch.randint(1000, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, kv_cache_memory="16MiB", tensor_parallel_size=2)
+    try:
+        outputs = [o.token_ids for o in llm.generate(prompts, greedy(12))]
+    finally:
+        llm.shutdown()
+    assert outputs == [hf_greedy(hf_model, prompt, 12) for prompt in prompts]
