@@ -126,6 +126,19 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output so far (-2 to 2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per repeat in the output (-2 to 2)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="transformers' rule over prompt and output (1: off)"
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="TOKEN_ID=VALUE",
+        help="add VALUE (-100 to 100) to a token's logit (repeatable)",
+    )
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
 
 
 def engine_config(args: argparse.Namespace, block_size: int | None = None) -> EngineConfig:
@@ -161,7 +174,26 @@ def sampling_params(args: argparse.Namespace):
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=parse_logit_bias(args.logit_bias),
+        min_tokens=args.min_tokens,
     )
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """['42=-100', '7=5'] -> {42: -100.0, 7: 5.0}."""
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes TOKEN_ID=VALUE, e.g. 42=-100; got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias takes TOKEN_ID=VALUE, e.g. 42=-100; got {item!r}")
+    return bias
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pagedllm.core.kv_metrics import KVMemoryTracker
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.request import FinishReason, Request
 from pagedllm.core.request_group import RequestGroup, text_token_ids
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParamError, SamplingParams
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.distributed.tensor_parallel import (
@@ -149,6 +149,12 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}"
+            )
         if params.n > 1 and self.config.kv_layout != "paged":
             raise ValueError("n > 1 shares the prompt's blocks between samples: it needs kv_layout='paged'")
         request_id = request_id if request_id is not None else str(next(self._ids))

@@ -206,7 +206,10 @@ BAD_INPUTS = [
     ("bad-token-id", "/v1/completions", {"prompt": [1, 10**7]}, None, 400, "token ids"),
     ("no-messages", "/v1/chat/completions", {"messages": []}, None, 400, "messages"),
     ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
-    ("penalty", "/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, None, 400, "frequency_penalty"),
+    ("penalty", "/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
+    ("bias-out-of-vocab", "/v1/completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, None, 400, "vocabulary"),
+    ("bias-not-an-id", "/v1/completions", {"prompt": "hi", "logit_bias": {"the": 5}}, None, 400, "token ids"),
+    ("detokenize-bad-id", "/detokenize", {"tokens": [1, -4]}, None, 400, "tokens must be ids"),
     ("unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, None, 404, "gpt-9"),
     # 128 MiB of float32 KV holds 2,912 tokens: the server lowered its maximum model length to that at start
     ("too-long-prompt", "/v1/completions", {"prompt": [42] * 9000}, None, 400, "maximum context length is 2912"),
@@ -232,6 +235,9 @@ BAD_PARAMS = {
     "too-long-prompt": "prompt",
     "bad-role": "messages.0.role",
     "penalty": "frequency_penalty",
+    "bias-out-of-vocab": "logit_bias",
+    "bias-not-an-id": "logit_bias",
+    "detokenize-bad-id": "tokens",
     "unknown-model": "model",
 }
 
@@ -351,3 +357,45 @@ def test_bench_serve_measures_the_running_server(server, capsys):
     assert result["goodput_slos_ms"] == {"ttft": 60000.0, "e2el": 1.0}
     assert result["good_requests"] == 0  # no request ends within 1 ms
     assert_all_blocks_free(server)
+
+
+def test_penalties_bias_and_min_tokens_over_http(client, offline):
+    prompt = "My favourite colours are red, green and"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    first = offline.tokenizer.encode(plain.choices[0].text)[0]
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias={str(first): -100}
+    )
+    assert offline.tokenizer.encode(banned.choices[0].text)[0] != first
+    expected = offline.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, presence_penalty=1.2, frequency_penalty=0.4)
+    )[0].text
+    penalized = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, presence_penalty=1.2, frequency_penalty=0.4
+    )
+    assert penalized.choices[0].text == expected
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply with one word: yes or no?"}],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"min_tokens": 12, "repetition_penalty": 1.1},
+    )
+    assert chat.usage.completion_tokens >= 12
+
+
+def test_tokenize_and_detokenize(server, offline):
+    headers = server.headers()
+    text = "The capital of France is Paris."
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": text}, headers=headers).json()
+    assert tokens["tokens"] == offline.tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 2912
+    chat = httpx.post(
+        server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=headers
+    ).json()
+    assert chat["tokens"] == offline.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert back == {"prompt": text}
+    neither = httpx.post(server.url + "/tokenize", json={}, headers=headers)
+    assert neither.status_code == 400 and "either prompt" in neither.json()["error"]["message"]
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401  # the key guards it

@@ -28,6 +28,14 @@ class SamplingParams:
     `stop_token_ids` (or EOS unless `ignore_eos`) ends generation and is kept
     in `token_ids` but not in the text.
 
+    Penalties and bias change the logits before sampling (greedy included), as vLLM
+    does: `repetition_penalty` (transformers' rule over prompt and output tokens: a
+    seen token's positive logit is divided by it, a negative one multiplied),
+    `presence_penalty` and `frequency_penalty` (OpenAI's rule over the output so far:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0)), then
+    `logit_bias` (token id -> value added, -100 to 100).  `min_tokens` bans EOS and
+    `stop_token_ids` until that many tokens are out.
+
     `beam_width=W > 1` turns on beam search (see `pagedllm/core/beam_search.py`):
     sampling settings are ignored, `length_penalty` and `early_stopping` act as
     in transformers, and the request returns its best `n` (at most W)
@@ -48,6 +56,11 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +109,23 @@ class SamplingParams:
             raise bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be a number > 0 (1: off), got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+            for t, v in self.logit_bias.items()
+        ):
+            raise bad(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
+        if self.beam_width > 1 and self.processes_logits:
+            raise bad("beam_width > 1 takes no penalties, logit_bias or min_tokens (beams rank raw log-probabilities)")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The settings of sample `index` of an n>1 request: one sequence, seed + index when seeded."""
@@ -103,5 +133,20 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=seed)
 
     @property
+    def processes_logits(self) -> bool:
+        """Whether the logits need penalties, bias or a min_tokens ban before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -19,6 +19,7 @@ import torch
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
 from pagedllm.models.llama import LlamaModel
 
@@ -102,7 +103,10 @@ class ModelRunner:
         requests = [r for c in output.scheduled if c.samples for r in (c.request, *c.forks)]
         params = [r.sampling_params for r in requests]
         generators = [self._generator(r.request_id, r.sampling_params.seed) for r in requests]
-        result = self.sampler(logits, params, generators)
+        histories = None
+        if any(p.processes_logits for p in params):
+            histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.eos_token_id) for r in requests]
+        result = self.sampler(logits, params, generators, histories)
         ids = [r.request_id for r in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)

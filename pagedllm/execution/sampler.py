@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.execution.logits_processors import TokenHistory, process_logits
 
 
 @dataclass
@@ -33,13 +34,16 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[TokenHistory] | None = None,
     ) -> SamplerOutput:
-        """logits [batch, vocab] float32; one params and optional generator per row."""
-        batch, vocab = logits.shape
+        """logits [batch, vocab] float32; one params and optional generator per row, and each row's
+        token history where any row has penalties, bias or min_tokens (logits_processors.py).
+        Log-probabilities are the raw model's, before those and before temperature."""
+        processed = process_logits(logits, params, histories) if histories is not None else logits
         greedy = torch.tensor([p.greedy for p in params])
-        tokens = logits.argmax(dim=-1)
+        tokens = processed.argmax(dim=-1)
         if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+            tokens = torch.where(greedy, tokens, self._sample(processed, params, generators))
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
 

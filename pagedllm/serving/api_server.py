@@ -26,7 +26,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from pagedllm.serving.dashboard import dashboard_html, dashboard_state, engine_state
-from pagedllm.serving.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse_body
+from pagedllm.serving.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    parse_body,
+)
 from pagedllm.serving.openai_responses import ChoiceTracker, new_id
 from pagedllm.serving.server_log import ServerLog
 from pagedllm.serving.server_metrics import ServerMetrics
@@ -169,7 +177,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         except EngineDeadError as error:
             raise APIError(503, str(error), "service_unavailable") from None
         except ValueError as error:  # the engine's own checks: never fits, bad token ids, ...
-            raise bad_request(str(error)) from None
+            raise bad_request(str(error), getattr(error, "param", None)) from None
 
     async def respond(request: Request, stream: RequestStream, tracker: ChoiceTracker, body: Any) -> Response:
         if body.stream:
@@ -242,6 +250,38 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             True, settings.served_model_name, body.n, [tracker_id], tokenizer.decode, body.logprobs, id=tracker_id
         )
         return await respond(request, stream, tracker, body)
+
+    # --- tokenizer (vLLM's shape) -----------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        check_key(request)
+        body = parse_body(TokenizeRequest, await read_json(request))
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send either prompt (text) or messages (a chat)", "prompt")
+        if body.messages is not None:
+            try:
+                chat = [
+                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+                ]
+                tokens = tokenizer.apply_chat_template(chat)
+            except ValueError as error:
+                raise bad_request(str(error), "messages") from None
+        else:
+            tokens = tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        check_key(request)
+        body = parse_body(DetokenizeRequest, await read_json(request))
+        check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab]
+        if outside:
+            raise bad_request(f"tokens must be ids in [0, {vocab}), got {outside[:5]}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     # --- health, metrics, stats, dashboard ---------------------------------------------
 

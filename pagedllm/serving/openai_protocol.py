@@ -2,8 +2,8 @@
 
 Types are strict (a string where a number belongs is a 400, never coerced).
 Parameters this engine does not implement are refused with a 400 naming
-them, unless they are set to their no-op value (a penalty of 0, `echo`
-false, `best_of` equal to `n`).  Unknown fields are ignored, as OpenAI does.
+them, unless they are set to their no-op value (`echo` false, `best_of` equal
+to `n`).  Unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -86,14 +86,19 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its keys read as token ids (JSON keys are strings)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server (only 0 is accepted), got {value}", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -112,6 +117,11 @@ class _SamplingRequest(BaseModel):
                 stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.token_bias(),
+                min_tokens=self.min_tokens,
             )
         except SamplingParamError as error:
             raise bad_request(str(error), error.param) from None
@@ -189,6 +199,30 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: text, or a chat through the model's template (vLLM's shape)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def refuse_unsupported(self) -> None:
+        pass
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+    def refuse_unsupported(self) -> None:
+        pass
 
 
 def parse_body(model: type[BaseModel], body: Any) -> Any:
