@@ -26,6 +26,7 @@ from pagedllm.distributed.tensor_parallel import (
 )
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import AdaptiveThreads
 from pagedllm.text.detokenizer import IncrementalDetokenizer
 from pagedllm.text.tokenizer import Tokenizer
@@ -84,6 +85,8 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = model_config.eos_token_id
+        # Constrained sequences' grammar matchers (a tokenizer instance of their own).
+        self.runner.structured = StructuredOutputs(Tokenizer(built.path).hf, model_config.vocab_size, self.eos_token_id)
         self.rank_memory = gather_rank_memory(
             tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
         )
@@ -163,6 +166,8 @@ class LLMEngine:
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if request_id in self.groups or any(s in self.requests for s in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_output is not None:  # each sample its own matcher; an invalid grammar raises here
+            self.runner.structured.add(seq_ids, params.structured_output)
         sequences = [
             Request(
                 s, token_ids, params.for_sample(i) if params.n > 1 else params, self.eos_token_id, self.max_model_len
@@ -173,7 +178,12 @@ class LLMEngine:
         parent.forks = sequences[1:]
         for child in parent.forks:
             child.fork_parent = parent
-        self.scheduler.add_request(parent)  # raises if it can never fit
+        try:
+            self.scheduler.add_request(parent)  # raises if it can never fit
+        except ValueError:
+            for sequence_id in seq_ids:
+                self.runner.structured.release(sequence_id)
+            raise
         group = RequestGroup(
             request_id, text, sequences, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in sequences]
         )

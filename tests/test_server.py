@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import httpx
 import openai
@@ -399,3 +400,65 @@ def test_tokenize_and_detokenize(server, offline):
     neither = httpx.post(server.url + "/tokenize", json={}, headers=headers)
     assert neither.status_code == 400 and "either prompt" in neither.json()["error"]["message"]
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401  # the key guards it
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_over_http(client):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    replies = []
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=60, temperature=0.8, seed=4)
+        if stream:
+            chunks = client.chat.completions.create(stream=True, response_format=response_format, **kwargs)
+            replies.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            response = client.chat.completions.create(response_format=response_format, **kwargs)
+            assert response.choices[0].finish_reason == "stop"
+            replies.append(response.choices[0].message.content)
+    assert replies[0] == replies[1]  # streamed and not: the same tokens for a seed
+    jsonschema.validate(json.loads(replies[0]), PERSON)
+    anything = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    choice = client.completions.create(
+        model=MODEL, prompt="The best colour is", max_tokens=5, extra_body={"guided_choice": ["red", "blue"]}
+    )
+    assert choice.choices[0].text in ("red", "blue")
+    regex = client.completions.create(
+        model=MODEL, prompt="Call me at", max_tokens=12, extra_body={"guided_regex": r"\d{3}-\d{4}"}
+    )
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].text)
+
+
+STRUCTURED_BAD_INPUTS = [
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+        "response_format",
+        "invalid json schema",
+    ),
+    ({"response_format": {"type": "yaml"}}, "response_format", "json_object or json_schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"guided_regex": "(open"}, "guided_regex", "invalid regex"),
+    ({"guided_choice": []}, "guided_choice", "choice must be non-empty"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex", "one structured output constraint"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", STRUCTURED_BAD_INPUTS)
+def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    response = httpx.post(server.v1 + "/chat/completions", json=body, headers=server.headers(), timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]

@@ -8,6 +8,37 @@ from dataclasses import dataclass, field
 MAX_N = 256  # samples per request: each is a sequence with its own blocks once it diverges
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every generated token must keep satisfiable: exactly one of a JSON schema
+    (a dict or its JSON text), any JSON object, a regular expression, one of a list of
+    strings, or a grammar (Lark syntax, or GBNF/EBNF with `::=` rules).  Enforced token by
+    token with a grammar engine (pagedllm/execution/structured_output.py)."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else []
+        )
+        if len(given) != 1:
+            raise SamplingParamError(
+                "structured_output",
+                f"invalid sampling parameter: structured_output takes exactly one of json_schema, json_object, "
+                f"regex, choice or grammar; got {given or 'none'}",
+            )
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise SamplingParamError(
+                    "structured_output", "invalid sampling parameter: choice must be non-empty strings"
+                )
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+
 class SamplingParamError(ValueError):
     """A bad sampling setting; `param` names the field (the server reports it as OpenAI's `param`)."""
 
@@ -61,6 +92,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +156,10 @@ class SamplingParams:
             raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise bad(f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}")
+        if self.beam_width > 1 and self.structured_output is not None:
+            raise bad("beam_width > 1 takes no structured_output (beams rank raw log-probabilities)")
         if self.beam_width > 1 and self.processes_logits:
             raise bad("beam_width > 1 takes no penalties, logit_bias or min_tokens (beams rank raw log-probabilities)")
 

@@ -21,6 +21,7 @@ from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
+from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.models.llama import LlamaModel
 
 
@@ -54,6 +55,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
         self.encoder = StepEncoder() if self.tp.size > 1 else None
         self.step_message_bytes = 0  # total bytes of step messages broadcast (rank 0, tensor parallel)
 
@@ -106,8 +108,18 @@ class ModelRunner:
         histories = None
         if any(p.processes_logits for p in params):
             histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.eos_token_id) for r in requests]
-        result = self.sampler(logits, params, generators, histories)
         ids = [r.request_id for r in requests]
+        constrain = None
+        if self.structured is not None and self.structured.matchers:
+            structured = self.structured
+
+            def constrain(rows: torch.Tensor) -> torch.Tensor:
+                return structured.apply_masks(rows, ids)
+
+        result = self.sampler(logits, params, generators, histories, constrain)
+        if constrain is not None:
+            for rid, token in zip(ids, result.token_ids):
+                self.structured.accept(rid, token)
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
 
@@ -132,5 +144,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished sequence's generator (and, tensor parallel, the workers' copy of its table)."""
         self.generators.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.release(request_id)
         if self.encoder is not None:
             self.encoder.release(request_id)

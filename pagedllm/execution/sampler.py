@@ -10,6 +10,7 @@ what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,15 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[TokenHistory] | None = None,
+        constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """logits [batch, vocab] float32; one params and optional generator per row, and each row's
         token history where any row has penalties, bias or min_tokens (logits_processors.py).
-        Log-probabilities are the raw model's, before those and before temperature."""
+        `constrain` masks the rows' forbidden tokens (structured outputs) after those.
+        Log-probabilities are the raw model's, before all of that and before temperature."""
         processed = process_logits(logits, params, histories) if histories is not None else logits
+        if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
+            processed = constrain(processed.clone() if processed is logits else processed)
         greedy = torch.tensor([p.greedy for p in params])
         tokens = processed.argmax(dim=-1)
         if not bool(greedy.all()):

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.core.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
+from pagedllm.execution.structured_output import compile_grammar
 
 
 class APIError(Exception):
@@ -88,6 +89,50 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* extensions (one of them).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint the body asks for, and the field that asked (for errors)."""
+        guided = {
+            name: getattr(self, name)
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+        }
+        response_format = self.response_format
+        kind = (response_format or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request(
+                f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
+        if kind != "text":
+            guided["response_format"] = response_format
+        if len(guided) > 1:
+            raise bad_request(f"give one structured output constraint, not {' and '.join(guided)}", next(iter(guided)))
+        if not guided:
+            return None, None
+        ((field, value),) = guided.items()
+        try:
+            if field == "response_format":
+                if kind == "json_object":
+                    return StructuredOutput(json_object=True), field
+                spec = value.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise bad_request("response_format json_schema needs json_schema.schema, a JSON object", field)
+                return StructuredOutput(json_schema=spec["schema"]), field
+            if field == "guided_json":
+                return StructuredOutput(json_schema=value), field
+            if field == "guided_regex":
+                return StructuredOutput(regex=value), field
+            if field == "guided_choice":
+                return StructuredOutput(choice=tuple(value)), field
+            return StructuredOutput(grammar=value), field
+        except SamplingParamError as error:
+            raise bad_request(str(error), field) from None
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias with its keys read as token ids (JSON keys are strings)."""
@@ -103,7 +148,13 @@ class _SamplingRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's settings; SamplingParams' own checks become 400s."""
+        """The engine's settings; SamplingParams' own checks (and the grammar's) become 400s."""
+        structured, field = self.structured_output()
+        if structured is not None:
+            try:  # here, on the HTTP side: the engine thread then finds it compiled (cached)
+                compile_grammar(structured)
+            except SamplingParamError as error:
+                raise bad_request(str(error), field) from None
         try:
             return SamplingParams(
                 n=self.n,
@@ -122,6 +173,7 @@ class _SamplingRequest(BaseModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.token_bias(),
                 min_tokens=self.min_tokens,
+                structured_output=structured,
             )
         except SamplingParamError as error:
             raise bad_request(str(error), error.param) from None
@@ -178,14 +230,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.tools:
             raise bad_request("tools are not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported by this server", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
 

@@ -1,0 +1,141 @@
+"""Structured outputs: every sampled token keeps the output a prefix of what a grammar accepts.
+
+The grammar engine is llguidance (PyPI `llguidance`: a Rust library with no Python
+dependencies, CPU wheels; xgrammar, the other choice, pulls in triton).  A constraint
+(`StructuredOutput`) becomes a grammar string once (cached); each constrained sequence
+gets its own matcher, which the model runner advances with every sampled token.  Before
+sampling, the masks of every constrained row in the step are filled into one bitmask and
+applied to the logits in one batched call: tokens the grammar forbids get -inf.  Once the
+grammar is complete only EOS is allowed, so a constrained request ends with `stop`, or
+`length` when `max_tokens` comes first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import torch
+
+from pagedllm.core.sampling_params import SamplingParamError, StructuredOutput
+
+logger = logging.getLogger("pagedllm")
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError:
+        raise SamplingParamError(
+            "structured_output", "structured outputs need the llguidance package: pip install llguidance"
+        ) from None
+    return llguidance
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(kind: str, text: str) -> str:
+    """The llguidance grammar for one constraint; raises SamplingParamError naming what is wrong."""
+    llg = _llguidance()
+    try:
+        grammar = _grammar_text(llg, kind, text)
+    except (ValueError, RuntimeError) as error:  # a grammar the converter cannot read
+        raise SamplingParamError("structured_output", f"invalid {kind.replace('_', ' ')}: {error}") from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise SamplingParamError("structured_output", f"invalid {kind.replace('_', ' ')}: {error.strip()}")
+    return grammar
+
+
+def _grammar_text(llg, kind: str, text: str) -> str:
+    if kind == "json_schema":
+        grammar = llg.LLMatcher.grammar_from_json_schema(text)
+    elif kind == "regex":
+        grammar = llg.grammar_from("regex", text)
+    elif kind == "grammar":
+        grammar = llg.grammar_from("grammar", text)  # Lark, or GBNF (`::=` rules)
+    else:
+        raise KeyError(kind)
+    return grammar
+
+
+def compile_grammar(spec: StructuredOutput) -> str:
+    if spec.json_object:
+        return _compile("json_schema", '{"type": "object"}')
+    if spec.json_schema is not None:
+        schema = spec.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise SamplingParamError("structured_output", f"invalid json schema: not JSON ({error})") from None
+        if not isinstance(schema, dict):
+            raise SamplingParamError("structured_output", "invalid json schema: it must be a JSON object")
+        return _compile("json_schema", json.dumps(schema, sort_keys=True))
+    if spec.regex is not None:
+        return _compile("regex", spec.regex)
+    if spec.choice is not None:
+        import re
+
+        return _compile("regex", "|".join(f"({re.escape(c)})" for c in spec.choice))
+    return _compile("grammar", spec.grammar)
+
+
+class StructuredOutputs:
+    """The matchers of the running constrained sequences, and their masks for a step."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._tokenizer = None  # built on the first constrained request (~0.4 s for SmolLM2)
+        self.matchers: dict[str, object] = {}
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            llg = _llguidance()
+            self._tokenizer = llg.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+            )
+        return self._tokenizer
+
+    def add(self, sequence_ids: list[str], spec: StructuredOutput) -> None:
+        """One matcher per sequence, from the compiled grammar (compiled once per constraint)."""
+        grammar = compile_grammar(spec)
+        llg = _llguidance()
+        for sequence_id in sequence_ids:
+            matcher = llg.LLMatcher(self._llg_tokenizer(), grammar)
+            if matcher.is_error():
+                raise SamplingParamError("structured_output", f"invalid structured output: {matcher.get_error()}")
+            self.matchers[sequence_id] = matcher
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if parent_id in self.matchers:
+            self.matchers[child_id] = self.matchers[parent_id].deep_copy()
+
+    def release(self, sequence_id: str) -> None:
+        self.matchers.pop(sequence_id, None)
+
+    def apply_masks(self, logits: torch.Tensor, sequence_ids: list[str]) -> torch.Tensor:
+        """logits with every constrained row's forbidden tokens at -inf (in place), one batched apply."""
+        rows = [i for i, sid in enumerate(sequence_ids) if sid in self.matchers]
+        if not rows:
+            return logits
+        llt = _llguidance().torch
+        bitmask = llt.allocate_token_bitmask(len(sequence_ids), self.vocab_size)
+        bitmask.fill_(-1)  # unconstrained rows allow everything
+        for row in rows:
+            llt.fill_next_token_bitmask(self.matchers[sequence_ids[row]], bitmask, row)
+        width = logits.shape[1]
+        if width > self.vocab_size:  # padded vocabulary: ids past the tokenizer's are never allowed
+            logits[:, self.vocab_size :] = float("-inf")
+        llt.apply_token_bitmask_inplace(logits[:, : self.vocab_size], bitmask)
+        return logits
+
+    def accept(self, sequence_id: str, token_id: int) -> None:
+        matcher = self.matchers.get(sequence_id)
+        if matcher is not None and not matcher.consume_token(token_id):
+            # The mask allowed only accepted tokens, so this means the grammar engine disagrees with itself.
+            logger.warning("structured output of %s rejected token %d: %s", sequence_id, token_id, matcher.get_error())
