@@ -2,8 +2,8 @@
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import RequestOutput
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams, StructuredOutput
 from pagedllm.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "EngineConfig", "RequestOutput"]
 __version__ = "0.1.0"

@@ -139,6 +139,12 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         help="add VALUE (-100 to 100) to a token's logit (repeatable)",
     )
     g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    s = parser.add_argument_group("structured output (one of)")
+    s.add_argument("--json-schema", default=None, help="the reply follows this JSON schema: a file, or the JSON itself")
+    s.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
+    s.add_argument("--regex", default=None, help="the reply matches this regular expression")
+    s.add_argument("--choice", action="append", default=None, help="the reply is one of these strings (repeatable)")
+    s.add_argument("--grammar", default=None, help="the reply follows this grammar (Lark or GBNF): a file, or the text")
 
 
 def engine_config(args: argparse.Namespace, block_size: int | None = None) -> EngineConfig:
@@ -179,7 +185,30 @@ def sampling_params(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         logit_bias=parse_logit_bias(args.logit_bias),
         min_tokens=args.min_tokens,
+        structured_output=structured_output(args),
     )
+
+
+def structured_output(args: argparse.Namespace):
+    """The --json-schema / --json-object / --regex / --choice / --grammar constraint, if any."""
+    from pathlib import Path
+
+    from pagedllm.core.sampling_params import StructuredOutput
+
+    def text_or_file(value: str) -> str:
+        path = Path(value)
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+    given = {
+        "json_schema": text_or_file(args.json_schema) if args.json_schema else None,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "choice": tuple(args.choice) if args.choice else None,
+        "grammar": text_or_file(args.grammar) if args.grammar else None,
+    }
+    if not any(given.values()):
+        return None
+    return StructuredOutput(**given)
 
 
 def parse_logit_bias(items: list[str]) -> dict[int, float]:

@@ -203,3 +203,23 @@ def test_bench_serve_without_a_server_says_so(capsys):
     argv = ["bench", "serve", "--url", url, "--ready-timeout", "1", "--dataset", "random", "--log-level", "WARNING"]
     assert main(argv) == 2
     assert f"the server at {url} did not answer within 1 s" in capsys.readouterr().err
+
+
+def test_generate_with_a_json_schema_file(tmp_path, capsys):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    argv = ["generate", "Where is the Eiffel tower?", "--json-schema", str(tmp_path / "schema.json")]
+    assert (
+        main(
+            argv + ["--max-tokens", "40", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["city"] in ("Paris", "Rome")
+    assert main(["generate", "hi", "--regex", "(", "--log-level", "WARNING"]) == 2
+    assert "invalid regex" in capsys.readouterr().err
