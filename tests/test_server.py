@@ -462,3 +462,103 @@ def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 20}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tool_calls_named_required_streamed_and_a_follow_up(client):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named, max_tokens=60, temperature=0.7, seed=2
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    for seed in range(3):  # required: one of the tools, with arguments valid for that tool
+        required = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=60,
+            temperature=1.0, seed=seed,
+        )  # fmt: skip
+        (call,) = required.choices[0].message.tool_calls
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=60, temperature=0.7, seed=2,
+        stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in stream if c.choices]
+    assert deltas[-1].finish_reason == "tool_calls"
+    (streamed,) = [d.delta.tool_calls for d in deltas if d.delta.tool_calls][0]
+    assert streamed.function.name == "get_weather" and streamed.index == 0
+    jsonschema.validate(json.loads(streamed.function.arguments), WEATHER["function"]["parameters"])
+
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "unit": "celsius"}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=follow_up, tools=[WEATHER, TIME], max_tokens=30, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+TOOL_BAD_INPUTS = [
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "not among",
+    ),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+        "tools",
+        "invalid json schema",
+    ),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", TOOL_BAD_INPUTS)
+def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    response = httpx.post(server.v1 + "/chat/completions", json=body, headers=server.headers(), timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error

@@ -247,7 +247,14 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         tracker_id = new_id("chatcmpl")
         stream = await start([(prompt_ids, params, tracker_id)])
         tracker = ChoiceTracker(
-            True, settings.served_model_name, body.n, [tracker_id], tokenizer.decode, body.logprobs, id=tracker_id
+            True,
+            settings.served_model_name,
+            body.n,
+            [tracker_id],
+            tokenizer.decode,
+            body.logprobs,
+            tools=body.tool_mode(),
+            id=tracker_id,
         )
         return await respond(request, stream, tracker, body)
 

@@ -8,12 +8,14 @@ to `n`).  Unknown fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 from pagedllm.execution.structured_output import compile_grammar
+from pagedllm.serving.tool_calls import EMPTY_PARAMETERS, Tool, ToolMode, call_as_text
 
 
 class APIError(Exception):
@@ -213,15 +215,53 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return call_as_text([c.model_dump() for c in self.tool_calls])
+            raise bad_request(f"a {self.role} message needs content", "messages")
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -229,17 +269,60 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        mode = self.tool_mode()
+        if mode is not None and mode.kind != "auto" and self.structured_output()[0] is not None:
+            raise bad_request("tool_choice required or named cannot be combined with another constraint", "tool_choice")
+
+    def tool_mode(self) -> ToolMode | None:
+        """What the tools and tool_choice ask for (None: no tools in play)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise bad_request(f"tool names must be distinct, got {names}", "tools")
+        tools = tuple(
+            Tool(t.function.name, t.function.description, t.function.parameters or EMPTY_PARAMETERS) for t in self.tools
+        )
+        for tool in tools:  # a schema the grammar engine refuses is the client's error, said now
+            try:
+                compile_grammar(StructuredOutput(json_schema=tool.parameters))
+            except SamplingParamError as error:
+                raise bad_request(f"tool {tool.name!r}: {error}", "tools") from None
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.get("name")
+            if name not in names:
+                raise bad_request(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
+            return ToolMode("named", tools, name)
+        return ToolMode(choice or "auto", tools)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        mode = self.tool_mode()
+        constraint = mode.constraint() if mode is not None else None
+        if constraint is None:
+            return params
+        compile_grammar(constraint)
+        return dataclasses.replace(params, structured_output=constraint)
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        mode = self.tool_mode()
+        if mode is not None:  # the tools, as a system message after the client's own (or first)
+            at = 1 if messages and messages[0]["role"] == "system" else 0
+            messages.insert(at, {"role": "system", "content": mode.system_message()})
+        return messages
 
     @property
     def num_logprobs(self) -> int | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedllm.serving.tool_calls import ToolMode
 
 Decode = Callable[[list[int]], str]
 
@@ -70,6 +71,7 @@ class ChoiceTracker:
     request_ids: list[str]  # one engine request per prompt, in prompt order
     decode: Decode
     want_logprobs: bool
+    tools: ToolMode | None = None  # chat with tools: finished replies may become tool calls
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[str, RequestOutput] = field(default_factory=dict)
@@ -107,6 +109,13 @@ class ChoiceTracker:
         for completion in output.outputs:
             index = self.choice_index(output, completion)
             reason = finish_reason(completion)
+            if self.tools is not None:  # the reply is read whole when it ends: nothing streams before
+                if reason is None or index in self._finish_sent:
+                    continue
+                delta, reason = self._tool_reply(completion, reason)
+                self._finish_sent.add(index)
+                choices.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": reason})
+                continue
             if not completion.delta and (reason is None or index in self._finish_sent):
                 continue
             offset = self._text_sent.get(index, 0)
@@ -153,7 +162,12 @@ class ChoiceTracker:
                     "logprobs": self._logprobs(index, completion, 0),
                     "finish_reason": finish_reason(completion),
                 }
-                if self.chat:
+                if self.chat and self.tools is not None and completion.finished:
+                    message, choice["finish_reason"] = self._tool_reply(completion, choice["finish_reason"])
+                    for call in message.get("tool_calls", []):
+                        del call["index"]  # only stream deltas number their calls
+                    choice["message"] = {"role": "assistant", "content": None, **message}
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": completion.text}
                 else:
                     choice["text"] = completion.text
@@ -161,6 +175,13 @@ class ChoiceTracker:
         choices.sort(key=lambda c: c["index"])
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
         return {**body, "choices": choices, "usage": self.usage()}
+
+    def _tool_reply(self, completion: CompletionOutput, reason: str | None) -> tuple[dict, str | None]:
+        """({"tool_calls": [...]}, "tool_calls") when a finished reply is a call, else its text as content."""
+        calls = self.tools.parse(completion.text) if reason == "stop" else None
+        if calls is None:
+            return {"content": completion.text}, reason
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, "tool_calls"
 
     def usage(self) -> dict:
         outputs = [self.latest[r] for r in self.request_ids if r in self.latest]

@@ -1,0 +1,110 @@
+"""Tool calls for /v1/chat/completions: the tools shown to the model, the constraint that
+`tool_choice` asks for, and the model's reply read back as calls.
+
+The format is the same for every model: the tools go into a system message, with the
+instruction to call one by replying with only a JSON object `{"name": ..., "arguments":
+{...}}`.  `tool_choice`:
+
+- a named function: the reply is constrained to that function's parameters schema (the
+  grammar guarantees the arguments validate); the call is built around them;
+- `required`: the reply is constrained to `{"name": one of the tools, "arguments": that
+  tool's schema}`;
+- `auto` (the default when tools are given): the reply is free; when it is exactly such
+  a JSON object naming a tool, it becomes a call, otherwise it is the message's content;
+- `none`: the tools are not shown and nothing is parsed.
+
+A reply that became calls has `finish_reason: "tool_calls"` and `content: null`.  An
+assistant message with `tool_calls` in a later request is shown to the model in the same
+JSON form, and `role: "tool"` messages as the tool's output.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from pagedllm.core.sampling_params import StructuredOutput
+
+EMPTY_PARAMETERS = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """What this request does with its tools: 'auto', 'required' or 'named' (`name` set)."""
+
+    kind: str
+    tools: tuple[Tool, ...]
+    name: str | None = None
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.kind == "named":
+            tool = next(t for t in self.tools if t.name == self.name)
+            return StructuredOutput(json_schema=tool.parameters)
+        if self.kind == "required":
+            return StructuredOutput(json_schema={"anyOf": [_call_schema(t) for t in self.tools]})
+        return None
+
+    def system_message(self) -> str:
+        listing = [
+            {"name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.parameters}
+            for t in self.tools
+        ]
+        return (
+            "You can call these functions. To call one, reply with only a JSON object of the form "
+            '{"name": <function name>, "arguments": <arguments object>}.\n' + json.dumps(listing)
+        )
+
+    def parse(self, text: str) -> list[dict] | None:
+        """The calls in a finished reply (OpenAI's `tool_calls`), or None when it is plain content."""
+        if self.kind == "named":
+            return [_call(self.name, text)]
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        names = {t.name for t in self.tools}
+        if (
+            not isinstance(value, dict)
+            or value.get("name") not in names
+            or not isinstance(value.get("arguments"), dict)
+        ):
+            return None
+        return [_call(value["name"], json.dumps(value["arguments"]))]
+
+
+def _call_schema(tool: Tool) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def call_as_text(tool_calls: list[dict]) -> str:
+    """An assistant message's earlier calls, in the form the model was asked to write them."""
+    texts = []
+    for call in tool_calls:
+        function = call.get("function", {})
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            arguments = function.get("arguments")
+        texts.append(json.dumps({"name": function.get("name"), "arguments": arguments}))
+    return "\n".join(texts)
