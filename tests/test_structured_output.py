@@ -102,12 +102,13 @@ def test_json_object_regex_choice_and_grammar(llm):
 
 
 def test_samples_and_batch_neighbours(llm):
-    """n > 1: every sample is constrained; a constrained row beside plain rows equals itself alone."""
+    """n > 1: every sample has its own matcher; a constrained row beside a plain one equals itself alone."""
     schema = SCHEMAS[1]
+    # Greedy: a sampled draw can flip on float rounding that differs between batch sizes.
     constrained = SamplingParams(
-        temperature=0.9, seed=11, max_tokens=60, n=3, structured_output=StructuredOutput(json_schema=schema)
+        temperature=0.0, max_tokens=60, n=3, structured_output=StructuredOutput(json_schema=schema)
     )
-    plain = SamplingParams(temperature=0.9, seed=12, max_tokens=30)
+    plain = SamplingParams(temperature=0.0, max_tokens=30)
     prompts = [chat(llm, QUESTIONS[1]), chat(llm, QUESTIONS[0])]
     engine = llm.engine
     engine.add_request(prompts[0], constrained, request_id="c")
