@@ -220,6 +220,23 @@ BAD_INPUTS = [
     ("wrong-key", "/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer nope"}, 401, "wrong API key"),
     ("oversized-body", "/v1/completions", b"x" * (5 * 2**20), None, 413, "larger than the limit"),
     ("unknown-path", "/v1/embeddings", {"input": "hi"}, None, 404, "Not Found"),
+    (
+        "echo-logprobs",
+        "/v1/completions",
+        {"prompt": "hi", "echo": True, "logprobs": 1},
+        None,
+        400,
+        "echo with logprobs",
+    ),
+    ("best-of-below-n", "/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, None, 400, "best_of must be"),
+    (
+        "best-of-streamed",
+        "/v1/completions",
+        {"prompt": "hi", "best_of": 3, "stream": True},
+        None,
+        400,
+        "cannot be streamed",
+    ),
 ]
 
 
@@ -240,6 +257,9 @@ BAD_PARAMS = {
     "bias-not-an-id": "logit_bias",
     "detokenize-bad-id": "tokens",
     "unknown-model": "model",
+    "echo-logprobs": "echo",
+    "best-of-below-n": "best_of",
+    "best-of-streamed": "best_of",
 }
 
 
@@ -601,3 +621,25 @@ def test_thirty_two_concurrent_mixed_requests_each_equal_itself_alone(server):
     for i in range(0, 32, len(kinds)):
         json.loads(together[i])  # the constrained ones parse
     assert_all_blocks_free(server)
+
+
+def test_echo_and_best_of(client):
+    prompt = "The three primary colors are"
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+
+    # best_of=4: the one returned is the sample of the four with the highest cumulative log-probability.
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=9)
+    best = client.completions.create(best_of=4, **kwargs)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    four = client.completions.create(n=4, logprobs=0, **kwargs)
+    scores = [sum(c.logprobs.token_logprobs) for c in four.choices]
+    assert best.choices[0].text == four.choices[scores.index(max(scores))].text
+    assert len({c.text for c in four.choices}) > 1  # the four samples differ, so the choice means something
+    two = client.completions.create(best_of=4, n=2, **kwargs)
+    ranked = sorted(range(4), key=lambda i: -scores[i])[:2]
+    assert [c.text for c in two.choices] == [four.choices[i].text for i in ranked]
+    assert [c.index for c in two.choices] == [0, 1]

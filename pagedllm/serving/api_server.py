@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -216,16 +217,23 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         for ids in prompt_ids:
             check_length(ids, max_tokens)
         params = body.sampling_params(max_tokens, body.logprobs)
+        if body.samples > body.n:  # best_of: draw them all on the shared prompt, rank by log-probability
+            params = dataclasses.replace(params, n=body.samples, logprobs=params.logprobs or 0)
         tracker_id = new_id("cmpl")
         request_ids = [f"{tracker_id}-{i}" for i in range(len(prompt_ids))]
         stream = await start([(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)])
+        prompts = body.prompts()
         tracker = ChoiceTracker(
             False,
             settings.served_model_name,
-            body.n,
+            body.samples,
             request_ids,
             tokenizer.decode,
             body.logprobs is not None,
+            keep=body.n if body.samples > body.n else None,
+            echo={rid: p if isinstance(p, str) else tokenizer.decode(p) for rid, p in zip(request_ids, prompts)}
+            if body.echo
+            else None,
             id=tracker_id,
         )
         return await respond(request, stream, tracker, body)

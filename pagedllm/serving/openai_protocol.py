@@ -2,8 +2,7 @@
 
 Types are strict (a string where a number belongs is a 400, never coerced).
 Parameters this engine does not implement are refused with a 400 naming
-them, unless they are set to their no-op value (`echo` false, `best_of` equal
-to `n`).  Unknown fields are ignored, as OpenAI does.
+them.  Unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -190,12 +189,24 @@ class CompletionRequest(_SamplingRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (the prompt's log-probabilities are not computed)", "echo"
+            )
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request(f"best_of must equal n ({self.n}) here, got {self.best_of}", "best_of")
+        if self.best_of is not None:
+            if self.best_of < self.n or self.best_of > 256:
+                raise bad_request(f"best_of must be from n ({self.n}) to 256, got {self.best_of}", "best_of")
+            if self.stream and self.best_of > self.n:
+                raise bad_request(
+                    "best_of greater than n cannot be streamed (the best are known at the end)", "best_of"
+                )
+
+    @property
+    def samples(self) -> int:
+        """How many samples the engine draws per prompt: best_of, or n."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch: text, token ids, or a list of either."""

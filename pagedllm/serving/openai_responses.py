@@ -72,12 +72,15 @@ class ChoiceTracker:
     decode: Decode
     want_logprobs: bool
     tools: ToolMode | None = None  # chat with tools: finished replies may become tool calls
+    keep: int | None = None  # best_of: return only the `keep` samples of each prompt with the best log-probability
+    echo: dict[str, str] | None = None  # completions with echo: each engine request's prompt text
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[str, RequestOutput] = field(default_factory=dict)
     _logprobs_sent: dict[int, int] = field(default_factory=dict)
     _text_sent: dict[int, int] = field(default_factory=dict)
     _finish_sent: set[int] = field(default_factory=set)
+    _echo_sent: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
@@ -129,6 +132,9 @@ class ChoiceTracker:
                 choice["delta"] = {"content": completion.delta} if completion.delta else {}
             else:
                 choice["text"] = completion.delta
+                if self.echo is not None and index not in self._echo_sent:  # the prompt leads the first chunk
+                    self._echo_sent.add(index)
+                    choice["text"] = self.echo[output.request_id] + completion.delta
             if reason is not None:
                 self._finish_sent.add(index)
             choices.append(choice)
@@ -155,8 +161,15 @@ class ChoiceTracker:
         choices = []
         for request_id in self.request_ids:
             output = self.latest[request_id]
-            for completion in output.outputs:
-                index = self.choice_index(output, completion)
+            completions = output.outputs
+            if self.keep is not None:
+                completions = sorted(completions, key=lambda c: -sum(e.logprob for e in c.logprobs or []))
+                completions = completions[: self.keep]
+            for rank, completion in enumerate(completions):
+                if self.keep is None:
+                    index = self.choice_index(output, completion)
+                else:
+                    index = self._prompt_index[output.request_id] * self.keep + rank
                 choice: dict = {
                     "index": index,
                     "logprobs": self._logprobs(index, completion, 0),
@@ -170,7 +183,7 @@ class ChoiceTracker:
                 elif self.chat:
                     choice["message"] = {"role": "assistant", "content": completion.text}
                 else:
-                    choice["text"] = completion.text
+                    choice["text"] = (self.echo[request_id] if self.echo is not None else "") + completion.text
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
