@@ -139,6 +139,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         help="add VALUE (-100 to 100) to a token's logit (repeatable)",
     )
     g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    g.add_argument("--bad-word", action="append", default=[], help="a word never to generate (repeatable)")
     s = parser.add_argument_group("structured output (one of)")
     s.add_argument("--json-schema", default=None, help="the reply follows this JSON schema: a file, or the JSON itself")
     s.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
@@ -185,6 +186,7 @@ def sampling_params(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         logit_bias=parse_logit_bias(args.logit_bias),
         min_tokens=args.min_tokens,
+        bad_words=args.bad_word,
         structured_output=structured_output(args),
     )
 

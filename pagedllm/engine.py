@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import time
@@ -152,6 +153,8 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         self._check_prompt(token_ids)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params))
         vocab = self.model_config.vocab_size
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
@@ -234,6 +237,16 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens but the maximum model length is {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as it starts a text and after a space (two spellings in most vocabularies)."""
+        words = [list(ids) for ids in params.bad_words_token_ids]
+        for word in params.bad_words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.hf.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return words
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (all its samples) at once, freeing its blocks; None if it is unknown or done."""

@@ -124,3 +124,15 @@ def test_bad_penalties_and_bias_are_clear_errors(llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={49152: 1.0}))
     assert error.value.param == "logit_bias"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_words_are_never_generated(llm):
+    """' Eiffel' is two tokens here (' E' + 'iffel'): its second is banned right after its first."""
+    assert len(llm.tokenizer.hf.encode(" Eiffel", add_special_tokens=False)) == 2
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the tallest tower in Paris?"}])
+    free = llm.generate([chat], SamplingParams(temperature=0, max_tokens=40))[0].text
+    assert "Eiffel" in free and "Paris" in free
+    banned = llm.generate([chat], SamplingParams(temperature=0, max_tokens=40, bad_words=["Eiffel", "Paris"]))[0]
+    assert "Eiffel" not in banned.text and "Paris" not in banned.text
+    with pytest.raises(SamplingParamError, match="bad_words"):
+        SamplingParams(bad_words=[" "])

@@ -400,7 +400,7 @@ def test_penalties_bias_and_min_tokens_over_http(client, offline):
         messages=[{"role": "user", "content": "Reply with one word: yes or no?"}],
         max_tokens=30,
         temperature=0,
-        extra_body={"min_tokens": 12, "repetition_penalty": 1.1},
+        extra_body={"min_tokens": 12, "repetition_penalty": 1.1, "bad_words": ["no"]},
     )
     assert chat.usage.completion_tokens >= 12
 

@@ -65,7 +65,10 @@ class SamplingParams:
     `presence_penalty` and `frequency_penalty` (OpenAI's rule over the output so far:
     logit -= frequency_penalty * count + presence_penalty * (count > 0)), then
     `logit_bias` (token id -> value added, -100 to 100).  `min_tokens` bans EOS and
-    `stop_token_ids` until that many tokens are out.
+    `stop_token_ids` until that many tokens are out.  `bad_words` are never generated:
+    the engine turns each into its token ids (with and without a leading space, into
+    `bad_words_token_ids`), and a word's last token is banned whenever the tokens before
+    it have just been generated.
 
     `beam_width=W > 1` turns on beam search (see `pagedllm/core/beam_search.py`):
     sampling settings are ignored, `length_penalty` and `early_stopping` act as
@@ -92,6 +95,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -154,6 +159,10 @@ class SamplingParams:
             raise bad(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+        if any(not ids or any(not isinstance(t, int) or t < 0 for t in ids) for ids in self.bad_words_token_ids):
+            raise bad(f"bad_words_token_ids must be non-empty lists of token ids, got {self.bad_words_token_ids!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
@@ -177,6 +186,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.bad_words_token_ids
         )
 
     @property

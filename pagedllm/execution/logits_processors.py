@@ -64,6 +64,10 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
             sub[j, ids] += torch.tensor(list(p.logit_bias.values()), dtype=sub.dtype)
         history = seen[j]
+        for word in p.bad_words_token_ids:  # ban a bad word's last token right after the rest of it
+            if len(word) == 1 or history.output_token_ids[-(len(word) - 1) :] == word[:-1]:
+                if word[-1] < vocab:
+                    sub[j, word[-1]] = float("-inf")
         if len(history.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids)
             if history.eos_token_id is not None and not p.ignore_eos:

@@ -90,6 +90,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    bad_words: list[str] | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's guided_* extensions (one of them).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -174,6 +175,7 @@ class _SamplingRequest(BaseModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.token_bias(),
                 min_tokens=self.min_tokens,
+                bad_words=self.bad_words or [],
                 structured_output=structured,
             )
         except SamplingParamError as error:
