@@ -31,3 +31,26 @@ def test_named_and_required_constraints():
 def test_earlier_calls_are_shown_in_the_form_the_model_writes_them():
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'}}]
     assert json.loads(call_as_text(calls)) == {"name": "get_time", "arguments": {"timezone": "UTC"}}
+
+
+def test_a_template_that_renders_tools_gets_them_and_its_tool_call_blocks_are_read():
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.text.tokenizer import Tokenizer
+
+    mode = ToolMode("auto", (WEATHER, TIME), in_template=True)
+    reply = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    (call,) = mode.parse(reply)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert mode.content_besides_calls(reply) == "Let me look."
+    assert mode.parse("No call here.") is None
+    assert mode.parse('<tool_call>{"name": "nope", "arguments": {}}</tool_call>') is None
+
+    tokenizer = Tokenizer(default_model_path())
+    assert not tokenizer.template_takes_tools  # SmolLM2's template: the tools go into a system message instead
+    tokenizer.hf.chat_template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    )
+    assert tokenizer.template_takes_tools
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], mode.openai_tools())
+    assert "<tools>get_weather;get_time;</tools>" in tokenizer.decode(ids)

@@ -244,7 +244,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         body = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(body.model)
         try:
-            prompt_ids = tokenizer.apply_chat_template(body.conversation())
+            in_template = tokenizer.template_takes_tools
+            mode = body.tool_mode(in_template)
+            prompt_ids = tokenizer.apply_chat_template(
+                body.conversation(in_template), mode.openai_tools() if mode is not None and in_template else None
+            )
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
         check_length(prompt_ids, body.requested_max_tokens)
@@ -261,7 +265,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             [tracker_id],
             tokenizer.decode,
             body.logprobs,
-            tools=body.tool_mode(),
+            tools=mode,
             id=tracker_id,
         )
         return await respond(request, stream, tracker, body)

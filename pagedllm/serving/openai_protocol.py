@@ -293,7 +293,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if mode is not None and mode.kind != "auto" and self.structured_output()[0] is not None:
             raise bad_request("tool_choice required or named cannot be combined with another constraint", "tool_choice")
 
-    def tool_mode(self) -> ToolMode | None:
+    def tool_mode(self, template_takes_tools: bool = False) -> ToolMode | None:
         """What the tools and tool_choice ask for (None: no tools in play)."""
         choice = self.tool_choice
         if not self.tools:
@@ -317,8 +317,8 @@ class ChatCompletionRequest(_SamplingRequest):
             name = choice.function.get("name")
             if name not in names:
                 raise bad_request(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
-            return ToolMode("named", tools, name)
-        return ToolMode(choice or "auto", tools)
+            return ToolMode("named", tools, name, template_takes_tools)
+        return ToolMode(choice or "auto", tools, in_template=template_takes_tools)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         params = super().sampling_params(max_tokens, logprobs)
@@ -329,10 +329,10 @@ class ChatCompletionRequest(_SamplingRequest):
         compile_grammar(constraint)
         return dataclasses.replace(params, structured_output=constraint)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self, template_takes_tools: bool = False) -> list[dict[str, str]]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
-        mode = self.tool_mode()
-        if mode is not None:  # the tools, as a system message after the client's own (or first)
+        mode = self.tool_mode(template_takes_tools)
+        if mode is not None and not mode.in_template:  # the tools as a system message after the client's own
             at = 1 if messages and messages[0]["role"] == "system" else 0
             messages.insert(at, {"role": "system", "content": mode.system_message()})
         return messages

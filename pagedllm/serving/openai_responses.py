@@ -194,7 +194,11 @@ class ChoiceTracker:
         calls = self.tools.parse(completion.text) if reason == "stop" else None
         if calls is None:
             return {"content": completion.text}, reason
-        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, "tool_calls"
+        reply: dict = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        content = self.tools.content_besides_calls(completion.text)
+        if content is not None:
+            reply["content"] = content
+        return reply, "tool_calls"
 
     def usage(self) -> dict:
         outputs = [self.latest[r] for r in self.request_ids if r in self.latest]

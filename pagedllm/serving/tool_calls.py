@@ -1,9 +1,12 @@
 """Tool calls for /v1/chat/completions: the tools shown to the model, the constraint that
 `tool_choice` asks for, and the model's reply read back as calls.
 
-The format is the same for every model: the tools go into a system message, with the
-instruction to call one by replying with only a JSON object `{"name": ..., "arguments":
-{...}}`.  `tool_choice`:
+Where the model's chat template renders tools itself (it names `tools`, as Qwen's and
+Hermes-style templates do), the tools go to the template and `auto` reads the calls in
+that family's format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+(text outside them stays the content).  Otherwise the tools go into a system message,
+with the instruction to call one by replying with only a JSON object `{"name": ...,
+"arguments": {...}}`.  `tool_choice`:
 
 - a named function: the reply is constrained to that function's parameters schema (the
   grammar guarantees the arguments validate); the call is built around them;
@@ -21,12 +24,14 @@ JSON form, and `role: "tool"` messages as the tool's output.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from pagedllm.core.sampling_params import StructuredOutput
 
 EMPTY_PARAMETERS = {"type": "object"}
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,17 @@ class ToolMode:
     kind: str
     tools: tuple[Tool, ...]
     name: str | None = None
+    in_template: bool = False  # the chat template renders the tools (and its model writes <tool_call> blocks)
+
+    def openai_tools(self) -> list[dict]:
+        """The tools in OpenAI's shape, for a chat template that renders them."""
+        return [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters},
+            }
+            for t in self.tools
+        ]
 
     def constraint(self) -> StructuredOutput | None:
         if self.kind == "named":
@@ -66,6 +82,20 @@ class ToolMode:
         """The calls in a finished reply (OpenAI's `tool_calls`), or None when it is plain content."""
         if self.kind == "named":
             return [_call(self.name, text)]
+        if self.in_template and self.kind == "auto":
+            blocks = TOOL_CALL_BLOCK.findall(text)
+            calls = [self._read_call(block) for block in blocks]
+            return calls if calls and all(calls) else None
+        call = self._read_call(text)
+        return [call] if call else None
+
+    def content_besides_calls(self, text: str) -> str | None:
+        """The text around `<tool_call>` blocks (None when there is none)."""
+        if not self.in_template:
+            return None
+        return TOOL_CALL_BLOCK.sub("", text).strip() or None
+
+    def _read_call(self, text: str) -> dict | None:
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -77,7 +107,7 @@ class ToolMode:
             or not isinstance(value.get("arguments"), dict)
         ):
             return None
-        return [_call(value["name"], json.dumps(value["arguments"]))]
+        return _call(value["name"], json.dumps(value["arguments"]))
 
 
 def _call_schema(tool: Tool) -> dict:

@@ -52,10 +52,16 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (Qwen, Hermes and others)."""
+        return "tools" in (self.hf.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
