@@ -45,7 +45,7 @@ from vllm_compare import hf_directory, vllm_env  # noqa: E402
 from pagedllm.benchmarking.datasets import load_workload  # noqa: E402
 from pagedllm.benchmarking.serve import replay  # noqa: E402
 from pagedllm.benchmarking.throughput import print_result, run_bench  # noqa: E402
-from pagedllm.cli import add_engine_args, engine_config  # noqa: E402
+from pagedllm.cli_args import add_engine_args, engine_config  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.execution.cpu_kernels import cpu_summary  # noqa: E402
 from pagedllm.execution.rank_model import resolve_dtype  # noqa: E402
