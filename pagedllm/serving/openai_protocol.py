@@ -355,9 +355,6 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
-    def refuse_unsupported(self) -> None:
-        pass
-
 
 class DetokenizeRequest(BaseModel):
     """POST /detokenize: token ids back to text."""
@@ -365,9 +362,6 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     tokens: list[int]
-
-    def refuse_unsupported(self) -> None:
-        pass
 
 
 def parse_body(model: type[BaseModel], body: Any) -> Any:
@@ -377,5 +371,6 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
         request = model.model_validate(body)
     except ValidationError as error:
         raise validation_error(error) from None
-    request.refuse_unsupported()
+    if hasattr(request, "refuse_unsupported"):  # the sampling bodies refuse what this server does not do
+        request.refuse_unsupported()
     return request
