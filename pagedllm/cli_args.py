@@ -59,7 +59,27 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         choices=["max-model-len", "request"],
         help="contiguous layout: reserve max-model-len slots per request, or prompt + max_tokens",
     )
-    g.add_argument("--kv-cache-memory", default=defaults["kv_cache_memory"].default, help="e.g. 2GiB")
+    g.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="e.g. 2GiB (default: 4GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)",
+    )
+    g.add_argument(
+        "--device",
+        default=defaults["device"].default,
+        help="auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU, else the CPU)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=defaults["gpu_memory_utilization"].default,
+        help="CUDA: share of the GPU's memory for weights, activations and the KV cache",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -154,6 +174,9 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         enable_prefix_caching=args.enable_prefix_caching,
         reserve=args.reserve,
         kv_cache_memory=args.kv_cache_memory,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

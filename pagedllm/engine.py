@@ -68,7 +68,15 @@ class LLMEngine:
         )
         try:
             built = build_rank_model(config, tp)
-            self.runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed)
+            self.runner = ModelRunner(
+                built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device
+            )
+            if built.memory_plan is not None:
+                logger.info("GPU memory: %s", built.memory_plan)
+            if built.device != "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1:
+                from pagedllm.execution.cuda_graphs import DecodeGraphs
+
+                self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, built.max_model_len)
             if self.workers is not None:
                 self.workers.connect()
                 atexit.register(self.shutdown)
@@ -78,6 +86,7 @@ class LLMEngine:
             raise
         model_config, num_blocks = built.model_config, built.num_blocks
         self.dtype = built.dtype
+        self.device = built.device
         self.model_config = model_config
         self.linear_backend = built.linear_backend
         self.max_model_len = built.max_model_len
@@ -100,10 +109,11 @@ class LLMEngine:
         tokens = num_blocks * config.block_size
         c = model_config
         logger.info(
-            "model %s (%s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
+            "model %s (%s on %s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
             "max model length %d -> %.2fx concurrency at full length",
             built.path.name,
             str(self.dtype).removeprefix("torch."),
+            built.device,
             c.num_layers,
             self.linear_backend,
             self._layout_description(),

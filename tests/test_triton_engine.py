@@ -68,3 +68,26 @@ def test_the_triton_kernel_drives_the_engine_like_the_cpp_kernels(checkpoint):
     triton = run(checkpoint, "triton", kv_cache_memory=memory)
     assert cpp["preemptions"] > 0 and cpp["hits"] > 0
     assert triton == cpp
+
+
+def test_decode_graph_inputs_and_padding_give_the_eager_tokens(checkpoint):
+    """The decode-graph bookkeeping (the ladder, padded rows, the shared input buffer, fork rows)
+    on the CPU: "replay" re-runs the forward pass over the graph's static inputs."""
+    from pagedllm.execution.cuda_graphs import DecodeGraphs, EagerCapture
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (5, 9, 14)]
+    args = dict(dtype="float32", block_size=8, attention="triton", max_model_len=64)
+    with LLM(str(checkpoint), **args) as llm:
+        eager = [o.token_ids for o in llm.generate(prompts, greedy(6))]
+        forks = llm.generate(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=4))[0].outputs
+        runner = llm.engine.runner
+        runner.graphs = DecodeGraphs(runner, max_num_seqs=4, max_model_len=64, capture=EagerCapture())
+        assert runner.graphs.sizes == [1, 2, 4]
+        graphed = [o.token_ids for o in llm.generate(prompts, greedy(6))]  # 3 decodes padded to 4
+        graphed_forks = llm.generate(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=4))[0]
+        assert runner.graphs.replays > 0
+        kv = llm.engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks
+    assert graphed == eager
+    assert [c.token_ids for c in graphed_forks.outputs] == [c.token_ids for c in forks]

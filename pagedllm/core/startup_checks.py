@@ -11,10 +11,14 @@ works, or returns an adjusted value that the engine logs.  The rules:
 - The KV cache must hold at least one request of `max_model_len` tokens.  When
   `max_model_len` was left to the model's default, it is lowered to what the
   cache holds (logged); when it was given explicitly, that is an error.
+- On CUDA the KV cache gets what `gpu_memory_utilization` of the device leaves
+  after the weights, a profiled forward pass at the full token budget and the
+  decode graphs (`plan_gpu_memory`); `device` names a GPU that is there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 KV_MEMORY_SHARE_OF_AVAILABLE = 0.9
@@ -79,3 +83,86 @@ def fit_max_model_len(max_model_len: int, explicit: bool, num_blocks: int, block
             f"or more, or --max-model-len {capacity} or less"
         )
     return capacity
+
+
+# --- devices -------------------------------------------------------------------------
+#
+# `device`: auto | cpu | cuda | cuda:N.  auto is CUDA when torch sees a GPU, else the CPU.
+# The facts about the machine come in as arguments so the rules are tested without a GPU.
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
+
+
+def resolve_device(name: str, cuda_available: bool, cuda_device_count: int, torch_cuda_version: str | None) -> str:
+    """'cpu', or 'cuda:N' (a plain 'cuda' is device 0); a clear error for a device that is not there."""
+    if name == "auto":
+        return "cuda:0" if cuda_available else "cpu"
+    if name == "cpu":
+        return "cpu"
+    if name == "cuda" or name.startswith("cuda:"):
+        index_text = name.partition(":")[2] or "0"
+        if not index_text.isdigit():
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+        if not cuda_available:
+            why = "this torch is a CPU-only build" if torch_cuda_version is None else "torch sees no CUDA GPU"
+            raise ValueError(
+                f"device={name!r} needs a CUDA GPU, but {why} (torch.cuda.is_available() is False); "
+                "use --device cpu (or auto, which picks the CPU here)"
+            )
+        index = int(index_text)
+        if index >= cuda_device_count:
+            raise ValueError(
+                f"device={name!r}: torch sees {cuda_device_count} CUDA device(s), numbered 0 to {cuda_device_count - 1}"
+            )
+        return f"cuda:{index}"
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """How a GPU's memory is shared out, from a profile run (all in bytes)."""
+
+    total: int  # the device's memory
+    budget: int  # total x gpu_memory_utilization: what this engine may use
+    in_use_at_start: int  # taken before the weights: the CUDA context and other processes
+    weights: int
+    peak_activations: int  # the profiled forward pass and sampler at the full token budget, above the weights
+    cuda_graphs: int  # set aside for the decode graphs' memory pool (0 with enforce_eager)
+    kv_cache: int  # what is left for the KV cache
+
+    def describe(self) -> str:
+        parts = [
+            f"{format_bytes(self.budget)} of {format_bytes(self.total)} "
+            f"({self.budget / self.total:.0%}, gpu_memory_utilization)",
+            f"in use at start {format_bytes(self.in_use_at_start)}",
+            f"weights {format_bytes(self.weights)}",
+            f"activations at the token budget {format_bytes(self.peak_activations)}",
+        ]
+        if self.cuda_graphs:
+            parts.append(f"CUDA graphs {format_bytes(self.cuda_graphs)}")
+        return ", ".join(parts) + f" -> KV cache {format_bytes(self.kv_cache)}"
+
+
+def plan_gpu_memory(
+    total: int,
+    utilization: float,
+    in_use_at_start: int,
+    weights: int,
+    peak_activations: int,
+    cuda_graphs: int,
+) -> GpuMemoryPlan:
+    """The KV cache gets the budget less everything else; an error when nothing is left."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(total * utilization)
+    kv = budget - in_use_at_start - weights - peak_activations - cuda_graphs
+    plan = GpuMemoryPlan(total, budget, in_use_at_start, weights, peak_activations, cuda_graphs, max(kv, 0))
+    if kv <= 0:
+        needed = (total * utilization - kv) / total
+        hint = (
+            f"raise --gpu-memory-utilization to {min(needed + 0.01, 1.0):.2f}"
+            if needed < 1
+            else "free the GPU (other processes hold it), lower --max-num-batched-tokens, or use a smaller model"
+        )
+        raise ValueError(f"no GPU memory is left for the KV cache: {plan.describe()}; {hint}")
+    return plan

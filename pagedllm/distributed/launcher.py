@@ -20,8 +20,10 @@ within the step; a thread on rank 0 also polls the spawned workers, so a
 worker that dies between steps is logged at once and the next step raises
 `WorkerDiedError` naming its rank.  Workers leave when rank 0's connection
 closes, and poll their parent process, so a killed engine leaves no orphans.
-The backend is gloo: the engine's model runs on the CPU (NCCL is what a
-CUDA model would use; no such runner exists yet).
+The backend is gloo on the CPU.  On CUDA it is `cpu:gloo,cuda:nccl`: the
+collectives of the forward pass (all-reduce, the logits' gather) run over NCCL
+on each rank's own GPU (rank r on cuda:r), while the step messages, which are
+host data, keep going over gloo.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ logger = logging.getLogger("pagedllm")
 # a dead peer ends a collective through its closed connection, not through this timeout.
 PROCESS_GROUP_TIMEOUT = timedelta(days=7)
 STARTUP_TIMEOUT_S = 600.0  # a worker that neither reports ready nor fails within this is an error
-BACKEND = "gloo"
+
+
+def process_group_backend(config: EngineConfig) -> str:
+    """gloo for CPU ranks; NCCL for the tensors of CUDA ranks, gloo for their host messages."""
+    cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 class WorkerDiedError(RuntimeError):
@@ -116,7 +123,7 @@ def external_rank(config: EngineConfig) -> TensorParallel:
 
 def init_external_group(config: EngineConfig, tp: TensorParallel) -> None:
     dist.init_process_group(
-        BACKEND,
+        process_group_backend(config),
         init_method=config.distributed_init_method,
         rank=tp.rank,
         world_size=tp.size,
@@ -185,7 +192,11 @@ class WorkerGroup:
                     )
                 time.sleep(0.05)
             dist.init_process_group(
-                BACKEND, store=store, rank=0, world_size=self.tp.size, timeout=PROCESS_GROUP_TIMEOUT
+                process_group_backend(self.config),
+                store=store,
+                rank=0,
+                world_size=self.tp.size,
+                timeout=PROCESS_GROUP_TIMEOUT,
             )
         except BaseException:
             self.shutdown(send=False)

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.core.step_message import WorkerBlockTables
 from pagedllm.distributed.launcher import (
-    BACKEND,
     PROCESS_GROUP_TIMEOUT,
     RankMemory,
     gather_rank_memory,
     init_external_group,
+    process_group_backend,
     rss_bytes,
     threads_per_rank,
 )
@@ -53,14 +53,16 @@ def run_worker(config: EngineConfig, tp: TensorParallel, store: dist.TCPStore | 
 
     try:
         built = build_rank_model(config, tp)
-        runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed)
+        runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device)
     except Exception as error:
         if store is not None:
             store.set(f"error/{tp.rank}", f"{type(error).__name__}: {error}")
         raise
     if store is not None:
         store.set(f"ready/{tp.rank}", "1")
-        dist.init_process_group(BACKEND, store=store, rank=tp.rank, world_size=tp.size, timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group(
+            process_group_backend(config), store=store, rank=tp.rank, world_size=tp.size, timeout=PROCESS_GROUP_TIMEOUT
+        )
     else:
         init_external_group(config, tp)
     gather_rank_memory(tp, RankMemory(tp.rank, built.model.weight_bytes(), runner.kv_cache_bytes, rss_bytes()))

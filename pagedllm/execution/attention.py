@@ -164,6 +164,8 @@ def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cp
     128 or 256, at most 64 heads) and build, else pure torch, with a warning saying why."""
     if name == "triton" or (name == "auto" and device.startswith("cuda")):
         return triton_attention
+    if device.startswith("cuda"):
+        raise ValueError(f"attention={name!r} runs on the CPU; on CUDA use attention='auto' or 'triton'")
     if name == "reference":
         return reference_attention
     if name == "torch":

@@ -41,6 +41,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_requests, max_blocks] int64, padded with 0
     prefill_indices: list[int] = field(default_factory=list)  # requests with more than one new token
     decode_indices: list[int] = field(default_factory=list)  # requests with one new token, shortest first
+    max_query_len: int = 0  # the most new tokens of any request
+    # The same on the step's device, built by the model runner in its one host-to-device copy
+    # (the Triton kernel reads them; under a CUDA graph they are the graph's static inputs).
+    query_starts: torch.Tensor | None = None  # [num_requests + 1] int64
+    seq_lens_tensor: torch.Tensor | None = None  # [num_requests] int64
     _decode_groups: list[DecodeGroup] | None = None
     _decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _prefill_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -94,10 +99,17 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    slot_mapping: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor
+    slot_mapping: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor | None = None,
+    seq_lens_tensor: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     meta = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables)
+    meta.query_starts, meta.seq_lens_tensor = query_starts, seq_lens_tensor
     num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    meta.max_query_len = max(num_new, default=0)
     meta.prefill_indices = [i for i, n in enumerate(num_new) if n > 1]
     meta.decode_indices = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
     return meta

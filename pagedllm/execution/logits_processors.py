@@ -23,14 +23,15 @@ class TokenHistory:
     eos_token_id: int | None
 
 
-def _token_counts(id_lists: list[list[int]], vocab: int) -> torch.Tensor:
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(id_lists), vocab] float32: how often each id occurs in each list."""
     longest = max((len(ids) for ids in id_lists), default=0)
     padded = torch.full((len(id_lists), max(longest, 1)), vocab, dtype=torch.int64)  # `vocab`: a spare column
     for row, ids in enumerate(id_lists):
         if ids:
             padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    counts = torch.zeros(len(id_lists), vocab + 1)
+    padded = padded.to(device)
+    counts = torch.zeros(len(id_lists), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
 
@@ -46,23 +47,24 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     chosen = [params[i] for i in rows]
     seen = [histories[i] for i in rows]
 
-    repetition = torch.tensor([p.repetition_penalty for p in chosen])
-    if bool((repetition != 1.0).any()):
-        in_context = _token_counts([h.prompt_token_ids + h.output_token_ids for h in seen], vocab) > 0
+    device = logits.device
+    if any(p.repetition_penalty != 1.0 for p in chosen):
+        repetition = torch.tensor([p.repetition_penalty for p in chosen], device=device)
+        in_context = _token_counts([h.prompt_token_ids + h.output_token_ids for h in seen], vocab, device) > 0
         penalty = repetition[:, None].expand_as(sub)
         penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
         sub = torch.where(in_context & (penalty != 1.0), penalized, sub)
 
-    frequency = torch.tensor([p.frequency_penalty for p in chosen])
-    presence = torch.tensor([p.presence_penalty for p in chosen])
-    if bool((frequency != 0).any() or (presence != 0).any()):
-        counts = _token_counts([h.output_token_ids for h in seen], vocab)
+    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in chosen):
+        frequency = torch.tensor([p.frequency_penalty for p in chosen], device=device)
+        presence = torch.tensor([p.presence_penalty for p in chosen], device=device)
+        counts = _token_counts([h.output_token_ids for h in seen], vocab, device)
         sub = sub - counts * frequency[:, None] - (counts > 0).float() * presence[:, None]
 
     for j, p in enumerate(chosen):
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-            sub[j, ids] += torch.tensor(list(p.logit_bias.values()), dtype=sub.dtype)
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+            sub[j, ids] += torch.tensor(list(p.logit_bias.values()), dtype=sub.dtype, device=device)
         history = seen[j]
         for word in p.bad_words_token_ids:  # ban a bad word's last token right after the rest of it
             if len(word) == 1 or history.output_token_ids[-(len(word) - 1) :] == word[:-1]:

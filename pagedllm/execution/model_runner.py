@@ -6,6 +6,12 @@ parallelism every rank has a runner over its slice of the model and KV
 cache: rank 0's `execute` first broadcasts the step as increments (see
 pagedllm/core/step_message.py), every rank then `run`s the same step, and only
 rank 0 gets logits and samples.
+
+On CUDA everything a step reads lives on the GPU: the KV cache, and the step's
+inputs (token ids, positions, slots, block tables, lengths), which `prepare`
+packs into one int64 buffer and copies over once, from pinned memory, without
+waiting.  The only wait of a step is for the sampled ids (and logprobs, when
+asked).  Decode-only steps replay a captured CUDA graph (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -40,20 +46,35 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+    ) -> None:
         c = model.config
         self.model = model
         self.tp = model.tp
         self.block_size = block_size
+        self.device = torch.device(device)
+        # One block more than the pool hands out: rows that pad a decode graph's batch write
+        # their K/V there (`padding_slot`), and no request ever reads it.
+        self.padding_slot = num_blocks * block_size
+        cache_blocks = num_blocks + 1
         # Left uninitialized: pages are committed as blocks are first used, and attention
         # never lets a slot outside a request's context reach its output, NaN included
         # (tests/test_attention.py::test_slots_outside_every_context_never_reach_the_output).
         # Under tensor parallelism: this rank's KV heads, the same number of blocks on every rank.
         kv_heads = model.shard.num_kv_heads
         self.kv_caches = [
-            torch.empty(2, num_blocks, block_size, kv_heads, c.head_dim, dtype=dtype) for _ in range(c.num_layers)
+            torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=dtype, device=self.device)
+            for _ in range(c.num_layers)
         ]
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, self.device)
+        self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
         self.generators: dict[str, torch.Generator] = {}
         self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
         self.encoder = StepEncoder() if self.tp.size > 1 else None
@@ -67,30 +88,46 @@ class ModelRunner:
         bs = self.block_size
         lens = [c.num_new_tokens for c in chunks]
         query_start_loc = [0, *np.cumsum(lens).tolist()]
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=query_start_loc[-1])
-        positions = np.concatenate([np.arange(c.start, c.start + c.num_new_tokens) for c in chunks])
+        num_tokens, num_requests = query_start_loc[-1], len(chunks)
         max_blocks = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
-        owner = np.repeat(np.arange(len(chunks)), lens)
-        slot_mapping = tables[owner, positions // bs] * bs + positions % bs
         seq_lens = [c.start + c.num_new_tokens for c in chunks]
-        meta = build_attention_metadata(
-            torch.from_numpy(slot_mapping), query_start_loc, seq_lens, torch.from_numpy(tables)
-        )
         # Forks sample from the same last-position logits as the request they fork from.
         rows = [query_start_loc[i + 1] - 1 for i, c in enumerate(chunks) for _ in range(c.num_samples)]
-        logits_rows = torch.tensor(rows, dtype=torch.int64)
-        return StepTensors(torch.from_numpy(input_ids), torch.from_numpy(positions), meta, logits_rows)
+        # One int64 buffer: ids, positions, slots | sampled rows | query starts, seq lens | block tables.
+        sizes = (num_tokens, num_tokens, num_tokens, len(rows), num_requests + 1, num_requests)
+        buffer = np.zeros(sum(sizes) + num_requests * max_blocks, dtype=np.int64)
+        ids, positions, slots, logits_rows, starts, lengths, tables = np.split(buffer, np.cumsum(sizes))
+        ids[:] = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens)
+        positions[:] = np.concatenate([np.arange(c.start, c.start + c.num_new_tokens) for c in chunks])
+        tables = tables.reshape(num_requests, max_blocks)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_table)] = c.block_table
+        owner = np.repeat(np.arange(num_requests), lens)
+        slots[:] = tables[owner, positions // bs] * bs + positions % bs
+        logits_rows[:] = rows
+        starts[:] = query_start_loc
+        lengths[:] = seq_lens
+        flat = self.to_device(torch.from_numpy(buffer))
+        views = torch.split(flat, [*sizes, num_requests * max_blocks])
+        ids_t, positions_t, slots_t, rows_t, starts_t, lengths_t, tables_t = views
+        tables_t = tables_t.view(num_requests, max_blocks)
+        meta = build_attention_metadata(slots_t, query_start_loc, seq_lens, tables_t, starts_t, lengths_t)
+        return StepTensors(ids_t, positions_t, meta, rows_t)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` on the runner's device: staged in pinned memory and copied without waiting on CUDA
+        (the caching host allocator keeps the pinned block until the copy has run)."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: fill each fresh block with its shared source, in every layer, before the step writes."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64)
-        for cache in self.kv_caches:
+        pairs = self.to_device(torch.tensor(copies, dtype=torch.int64))
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for cache in self.kv_caches:  # one gather-scatter per layer for all the step's copies
             cache[:, dst] = cache[:, src]
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -127,6 +164,10 @@ class ModelRunner:
         """Every rank's part of a step: copy-on-write copies, the forward pass, the logits of the
         sampled rows; None where nothing samples, and on ranks other than 0."""
         self.copy_blocks(block_copies)
+        if self.graphs is not None:
+            logits = self.graphs.run(chunks)
+            if logits is not None:  # a decode-only step that a captured graph covers
+                return logits
         step = self.prepare(chunks)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.logits_rows.numel():
@@ -138,7 +179,7 @@ class ModelRunner:
             return None
         generator = self.generators.get(request_id)
         if generator is None:
-            generator = self.generators[request_id] = torch.Generator().manual_seed(seed)
+            generator = self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
         return generator
 
     def release(self, request_id: str) -> None:

@@ -14,10 +14,13 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.startup_checks import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
     check_kv_cache_memory,
     check_max_model_len,
     fit_max_model_len,
+    format_bytes,
+    resolve_device,
 )
 from pagedllm.distributed.tensor_parallel import (
     ShardLayout,
@@ -45,10 +48,20 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") or cpu_has_native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def select_device(name: str, tp: TensorParallel) -> str:
+    """'cpu' or 'cuda:N' for this rank: under tensor parallelism on CUDA, rank r takes device r
+    (counted from the one named)."""
+    device = resolve_device(name, torch.cuda.is_available(), torch.cuda.device_count(), torch.version.cuda)
+    if device == "cpu" or tp.size == 1:
+        return device
+    index = int(device.partition(":")[2]) + tp.rank
+    return resolve_device(f"cuda:{index}", True, torch.cuda.device_count(), torch.version.cuda)
 
 
 def return_freed_memory() -> None:
@@ -69,36 +82,69 @@ class RankModel:
     model: LlamaModel
     model_config: ModelConfig
     path: Path
+    device: str  # cpu or cuda:N
     dtype: torch.dtype
     linear_backend: str
     max_model_len: int
     num_blocks: int
     bytes_per_token: int  # KV bytes of one token on this rank (all layers, K and V)
+    memory_plan: str | None = None  # CUDA: how the device's memory was shared out (logged at start)
 
 
 def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     path = resolve_model_path(config.model)
-    dtype = resolve_dtype(config.dtype)
-    # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
-    # (possibly on other machines) each check their own share.
-    if config.distributed_init_method is not None:
-        check_kv_cache_memory(config.kv_cache_memory // tp.size, available_memory_bytes())
-    elif tp.rank == 0:
-        check_kv_cache_memory(config.kv_cache_memory, available_memory_bytes())
+    device = select_device(config.device, tp)
+    dtype = resolve_dtype(config.dtype, device)
+    on_cuda = device != "cpu"
+    if on_cuda:
+        torch.cuda.set_device(device)
+        free, total = torch.cuda.mem_get_info(device)
+        in_use_at_start = total - free  # the CUDA context and other processes
+    kv_budget = config.kv_cache_memory
+    if not on_cuda:
+        kv_budget = kv_budget or DEFAULT_CPU_KV_CACHE_MEMORY
+        # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
+        # (possibly on other machines) each check their own share.
+        if config.distributed_init_method is not None:
+            check_kv_cache_memory(kv_budget // tp.size, available_memory_bytes())
+        elif tp.rank == 0:
+            check_kv_cache_memory(kv_budget, available_memory_bytes())
     model_config, weights = load_weights(path)
     check_tensor_parallel_size(model_config, tp.size)
     max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
     shard = ShardLayout.for_rank(model_config, tp)
 
+    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads, device)
+    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
+    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
+    linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
+    with torch.device(device):  # parameters and rotary tables are created on the device
+        model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
+    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
+    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
+    del weights
+    return_freed_memory()
+
     c = model_config
     bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
-    # kv_cache_memory is every rank's KV together; each rank holds the same blocks for its own heads.
+    memory_plan = None
+    if on_cuda and kv_budget is None:
+        from pagedllm.execution.memory_profile import plan_kv_cache
+
+        plan = plan_kv_cache(model, config, dtype, torch.device(device), in_use_at_start, max_model_len)
+        kv_budget, memory_plan = plan.kv_cache * tp.size, plan.describe()
+    elif on_cuda and kv_budget // tp.size > torch.cuda.mem_get_info(device)[0]:
+        raise ValueError(
+            f"kv_cache_memory {format_bytes(kv_budget)} is more than {device} has free "
+            f"({format_bytes(torch.cuda.mem_get_info(device)[0])} per rank); leave it unset to size the cache "
+            "from --gpu-memory-utilization"
+        )
+    # kv_budget is every rank's KV together; each rank holds the same blocks for its own heads.
     block_bytes = bytes_per_token * tp.size * config.block_size
-    num_blocks = config.kv_cache_memory // block_bytes
+    num_blocks = kv_budget // block_bytes
     if num_blocks < 1:
         raise ValueError(
-            f"kv_cache_memory {config.kv_cache_memory} bytes holds no block of {config.block_size} tokens "
-            f"({block_bytes} bytes each)"
+            f"kv_cache_memory {kv_budget} bytes holds no block of {config.block_size} tokens ({block_bytes} bytes each)"
         )
     fitted = fit_max_model_len(
         max_model_len, config.max_model_len is not None, num_blocks, config.block_size, block_bytes
@@ -111,15 +157,6 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
             max_model_len,
             fitted,
         )
-    max_model_len = fitted
-
-    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads)
-    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
-    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype)
-    model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
-    linear_backend = resolve_linear_backend(config.linear, dtype)
-    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
-    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
-    del weights
-    return_freed_memory()
-    return RankModel(model, model_config, path, dtype, linear_backend, max_model_len, num_blocks, bytes_per_token)
+    return RankModel(
+        model, model_config, path, device, dtype, linear_backend, fitted, num_blocks, bytes_per_token, memory_plan
+    )

@@ -6,6 +6,9 @@ per row instead of one per vocabulary entry (the exponential race it replaced
 spent ~140 ms per step drawing 128 x 49,152 exponentials).  A request with a
 seed draws its number from its own generator, so its tokens do not depend on
 what else is in the batch.
+
+On CUDA every tensor of a step stays on the GPU; the one wait is `tolist()` of
+the sampled ids (and the logprobs' values, for rows that ask).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def __call__(
         self,
@@ -45,9 +49,9 @@ class Sampler:
         processed = process_logits(logits, params, histories) if histories is not None else logits
         if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
             processed = constrain(processed.clone() if processed is logits else processed)
-        greedy = torch.tensor([p.greedy for p in params])
         tokens = processed.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, self._sample(processed, params, generators))
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
@@ -55,30 +59,31 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        device = logits.device
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
-            k = torch.tensor([min(k, logits.shape[1]) if k else logits.shape[1] for k in top_k])
+            k = torch.tensor([min(k, logits.shape[1]) if k else logits.shape[1] for k in top_k], device=device)
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params])
-        if bool((top_p < 1).any()):
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Drop a token when the tokens ranked above it already reach top_p.
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
             drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        uniform = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64)
+        uniform = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64, device=device)
         for row, generator in enumerate(generators):
             if generator is not None:
-                uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64)
+                uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
         cdf = probs.cumsum(dim=-1)
         # x in (0, total]: the first token whose running sum reaches x has a nonzero probability
         # (a zero-probability token repeats the sum of the token before it), and one always exists.

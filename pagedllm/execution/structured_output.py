@@ -131,7 +131,7 @@ class StructuredOutputs:
         width = logits.shape[1]
         if width > self.vocab_size:  # padded vocabulary: ids past the tokenizer's are never allowed
             logits[:, self.vocab_size :] = float("-inf")
-        llt.apply_token_bitmask_inplace(logits[:, : self.vocab_size], bitmask)
+        llt.apply_token_bitmask_inplace(logits[:, : self.vocab_size], bitmask.to(logits.device))
         return logits
 
     def accept(self, sequence_id: str, token_id: int) -> None:

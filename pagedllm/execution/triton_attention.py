@@ -112,7 +112,12 @@ def _paged_attention_kernel(
 
 
 def triton_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0, block_m: int = 16
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int = 0,
+    block_m: int = 16,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
     """Same contract as the other paths: q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
@@ -123,14 +128,21 @@ def triton_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     device = q.device
-    query_starts = torch.tensor(meta.query_start_loc, dtype=torch.int64, device=device)
-    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int64, device=device)
+    # Built once per step by the model runner; the tests call the kernel with the lists alone.
+    query_starts = meta.query_starts
+    if query_starts is None:
+        query_starts = torch.tensor(meta.query_start_loc, dtype=torch.int64, device=device)
+    seq_lens = meta.seq_lens_tensor
+    if seq_lens is None:
+        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int64, device=device)
     block_tables = meta.block_tables.to(device=device, dtype=torch.int64).contiguous()
-    num_new = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(len(meta.seq_lens))]
+    max_query_len = meta.max_query_len or max(
+        meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(len(meta.seq_lens))
+    )
     group_p = triton.next_power_of_2(group)
-    block_m = max(1, min(block_m, triton.next_power_of_2(max(num_new))))
+    block_m = max(1, min(block_m, triton.next_power_of_2(max_query_len)))
     block_m = max(block_m, 16 // group_p) if group_p < 16 else block_m  # tl.dot wants >= 16 rows
-    grid = (len(meta.seq_lens), kv_heads, triton.cdiv(max(num_new), block_m))
+    grid = (len(meta.seq_lens), kv_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
         q,
         kv_cache[0].view(num_blocks * block_size, kv_heads, head_dim),
@@ -149,7 +161,9 @@ def triton_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        KEY_TILE=16,
+        # Keys per loop iteration: 64 on a GPU (fewer, larger loads); 16 under the interpreter,
+        # where each iteration's cost grows with the tile.
+        KEY_TILE=key_tile or (64 if device.type == "cuda" else 16),
         # Under the interpreter tl.dot on bfloat16 operands reads their raw bits as
         # integers (measured with triton 3.9), so there the dots run in float32.
         EXACT_FP32=kv_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
