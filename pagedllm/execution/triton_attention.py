@@ -74,9 +74,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM], tl.float32)
 
     last_position = seq_len - q_len + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
-    lowest_key = 0  # no row of the tile sees a key older than its first row's window
-    if window > 0:
-        lowest_key = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
+    # No row of the tile sees a key older than its first row's window (int64 like seq_len either way).
+    lowest_key = tl.where(window > 0, tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0), seq_len * 0)
     for k0 in range(lowest_key // KEY_TILE * KEY_TILE, last_position + 1, KEY_TILE):
         keys = k0 + tl.arange(0, KEY_TILE)
         # Keys outside [lowest_key, last_position] are never loaded: their slots may be freed,
