@@ -104,15 +104,21 @@ def parity() -> dict:
         for model_type in ("llama", "qwen2"):
             path = Path(tmp) / model_type
             hf = save_random_model(path, model_type, **TINY_SHAPE)
+            reference = {}  # transformers' float32 logits: how far each bfloat16 model is from them
             for dtype in ("float32", "bfloat16"):
                 model = hf.to("cuda", getattr(torch, dtype))
                 expected = [hf_greedy(model, p, 32) for p in prompts]
                 llm = LLM(str(path), device="cuda", dtype=dtype, kv_cache_memory="1GiB")
                 ours = [o.token_ids for o in llm.generate(prompts, greedy(32))]
-                diffs = []
-                for p in prompts[:3]:
+                diffs, ours_vs_fp32, theirs_vs_fp32 = [], [], []
+                for i, p in enumerate(prompts[:3]):
                     a, b = our_logits(llm, p).cpu(), hf_logits(model, p).cpu()
                     diffs.append(float((a - b).abs().max()))
+                    if dtype == "float32":
+                        reference[i] = b
+                    else:
+                        ours_vs_fp32.append(float((a - reference[i]).abs().max()))
+                        theirs_vs_fp32.append(float((b - reference[i]).abs().max()))
                 same = sum(x == y for x, y in zip(ours, expected))
                 first_divergence = [
                     next((i for i, (x, y) in enumerate(zip(o, e)) if x != y), None) for o, e in zip(ours, expected)
@@ -123,8 +129,13 @@ def parity() -> dict:
                     "identical_greedy_sequences": same,
                     "first_divergence_per_prompt": first_divergence,
                     "logits_max_abs_diff": max(diffs),
-                    "logits_scale": float(hf_logits(model, prompts[0]).abs().max()),
+                    "logits_scale": float(reference[0].abs().max()),
                 }
+                if dtype == "bfloat16":
+                    results[f"{model_type}-{dtype}"] |= {
+                        "pagedllm_vs_transformers_fp32_max_abs_diff": max(ours_vs_fp32),
+                        "transformers_bf16_vs_fp32_max_abs_diff": max(theirs_vs_fp32),
+                    }
                 del llm
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -202,7 +213,7 @@ def kernel() -> dict:
     flops = 4 * heads * d * (new * (context - new) + new * (new + 1) / 2)  # QK^T and PV over visible keys
     sdpa_ms = _bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True))
     prefill = {"new_tokens": new, "context": context, "sdpa_contiguous_ms": round(sdpa_ms, 4)}
-    for tile, block_m in ((16, 16), (32, 16), (64, 16), (64, 32), (64, 64), (128, 64)):
+    for tile, block_m in ((16, 16), (32, 16), (64, 16), (128, 16), (64, 32)):
         name = f"triton_key_tile_{tile}_block_m_{block_m}"
         try:
             out = triton_attention(q, cache, meta, block_m=block_m, key_tile=tile)
@@ -257,6 +268,21 @@ def transformers_generate(path: Path, requests: list[dict], batch_size: int) -> 
     }
 
 
+def single_request(engine) -> dict:
+    """One request alone (128 prompt + 256 output tokens): time to first token and per output token."""
+    from pagedllm.core.sampling_params import SamplingParams
+
+    prompt = list(range(1000, 1128))
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True), request_id="one")
+    start = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft_ms": round((first - start) * 1000, 2), "ms_per_output_token": round((end - first) / 255 * 1000, 3)}
+
+
 def throughput() -> dict:
     from hf_reference import save_random_model
 
@@ -277,6 +303,7 @@ def throughput() -> dict:
             )
             engine = LLMEngine(config)
             run_on_engine(engine, requests[:16], desc=f"{name} warm-up")
+            single_request(engine)  # warm-up
             result = run_on_engine(engine, requests, desc=name)
             graphs = engine.runner.graphs
             results[name] = {
@@ -294,6 +321,7 @@ def throughput() -> dict:
                 )
             }
             results[name]["graph_replays"] = graphs.replays if graphs else 0
+            results[name]["single_request"] = single_request(engine)
             del engine, graphs
             gc.collect()
             torch.cuda.empty_cache()

@@ -28,7 +28,9 @@ import triton.language as tl
 from pagedllm.execution.attention_metadata import AttentionMetadata
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would otherwise
+# compile a variant each time one of them becomes divisible by 16 or equal to 1).
+@triton.jit(do_not_specialize=["max_blocks", "window"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks * block_size, kv_heads, HEAD_DIM] (the layer's K, flattened slots)
@@ -118,6 +120,9 @@ def triton_attention(
     block_m: int = 16,
     key_tile: int | None = None,
 ) -> torch.Tensor:
+    """`block_m` query tokens per program and `key_tile` keys per loop iteration: by default
+    16 and, on a GPU, 128 keys for decode-only steps and 64 for steps with prefill chunks (the
+    fastest of those measured on an H200 by benchmarks/gpu_check.py)."""
     """Same contract as the other paths: q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     num_tokens, num_heads, _ = q.shape
@@ -139,8 +144,11 @@ def triton_attention(
         meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(len(meta.seq_lens))
     )
     group_p = triton.next_power_of_2(group)
-    block_m = max(1, min(block_m, triton.next_power_of_2(max_query_len)))
+    # Two variants per model and dtype: decode-only steps, and steps with a prefill chunk.
+    block_m = 1 if max_query_len == 1 else block_m
     block_m = max(block_m, 16 // group_p) if group_p < 16 else block_m  # tl.dot wants >= 16 rows
+    if key_tile is None:
+        key_tile = 16 if device.type != "cuda" else 128 if max_query_len == 1 else 64
     grid = (len(meta.seq_lens), kv_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
         q,
@@ -160,9 +168,7 @@ def triton_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        # Keys per loop iteration: 64 on a GPU (fewer, larger loads); 16 under the interpreter,
-        # where each iteration's cost grows with the tile.
-        KEY_TILE=key_tile or (64 if device.type == "cuda" else 16),
+        KEY_TILE=key_tile,  # under the interpreter 16: each iteration's cost grows with the tile
         # Under the interpreter tl.dot on bfloat16 operands reads their raw bits as
         # integers (measured with triton 3.9), so there the dots run in float32.
         EXACT_FP32=kv_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
