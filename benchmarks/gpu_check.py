@@ -336,7 +336,7 @@ def throughput() -> dict:
             results[name]["first_run"] = {k: first[k] for k in ("wall_s", "output_tokens_per_s", "ttft_median_s")}
             results[name]["first_run"]["first_steps_ms"] = first_steps_ms
             results[name]["single_request"] = single_request(engine)
-            del engine, graphs
+            del engine, graphs, step, timed_step  # `step` is bound to the engine: keep nothing of it
             gc.collect()
             torch.cuda.empty_cache()
         for batch_size in (64,):
