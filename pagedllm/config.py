@@ -43,6 +43,9 @@ class EngineConfig:
     seed: int = 0  # seeds the sampler for requests without a seed of their own
     kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
     enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)
+    # Sliding-window layers give back the blocks their window has left behind (paged layout only;
+    # core/layer_groups.py); False keeps every layer's blocks for the whole request.
+    window_freeing: bool = True
     reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when torch sees a GPU)
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use

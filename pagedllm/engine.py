@@ -69,7 +69,7 @@ class LLMEngine:
         try:
             built = build_rank_model(config, tp)
             self.runner = ModelRunner(
-                built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device
+                built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device, built.groups
             )
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)
@@ -86,6 +86,7 @@ class LLMEngine:
             raise
         model_config, num_blocks = built.model_config, built.num_blocks
         self.dtype = built.dtype
+        self.groups = built.groups
         self.device = built.device
         self.model_config = model_config
         self.linear_backend = built.linear_backend
@@ -104,13 +105,15 @@ class LLMEngine:
         if config.kv_layout == "contiguous":
             self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
         else:
-            self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv_cache = KVCacheManager(
+                num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
+            )
         self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
         tokens = num_blocks * config.block_size
         c = model_config
         logger.info(
-            "model %s (%s on %s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB; "
-            "max model length %d -> %.2fx concurrency at full length",
+            "model %s (%s on %s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB "
+            "(%s); max model length %d -> %.2fx concurrency at full length",
             built.path.name,
             str(self.dtype).removeprefix("torch."),
             built.device,
@@ -121,8 +124,9 @@ class LLMEngine:
             config.block_size,
             tokens,
             tokens * built.bytes_per_token * tp.size / 2**30,
+            built.groups.describe(),
             self.max_model_len,
-            tokens / self.max_model_len,
+            tokens / built.groups.num_groups / self.max_model_len,
         )
         if tp.size > 1:
             for m in self.rank_memory:

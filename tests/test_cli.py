@@ -117,7 +117,7 @@ def test_version_and_help_with_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 8000)" in text and "(default: 4GiB)" in text and "(default: 4096)" in text
+    assert "(default: 8000)" in text and "(default: 4GiB on the CPU" in text and "(default: 4096)" in text
 
 
 def test_serve_takes_the_model_as_a_positional_argument(tmp_path, capsys):

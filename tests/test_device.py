@@ -101,13 +101,26 @@ def test_a_step_pads_to_the_smallest_graph_that_holds_it():
 def test_graph_inputs_are_the_steps_and_padding_reads_nothing():
     layout = GraphLayout(batch=4, max_blocks=3)
     host = np.full(layout.size + 5, -7, dtype=np.int64)  # stale values from an earlier step
-    block_size, padding_slot = 4, 99
+    block_size, padding_block = 4, 24
     chunks = [ChunkPlan(0, 5, [11], [7, 2], 1), ChunkPlan(1, 0, [12], [5], 1)]
-    layout.fill(host[: layout.size], chunks, block_size, padding_slot)
-    ids, positions, slots, seq_lens, tables = layout.split(host)
+    layout.fill(host[: layout.size], chunks, block_size, padding_block)
+    ids, positions, seq_lens, slots, tables = layout.split(host)
     assert ids.tolist() == [11, 12, 0, 0]
     assert positions.tolist() == [5, 0, 0, 0]
-    assert slots.tolist() == [2 * 4 + 1, 5 * 4 + 0, padding_slot, padding_slot]  # position 5: block 2, offset 1
+    pad = padding_block * block_size
+    assert slots.tolist() == [[2 * 4 + 1, 5 * 4 + 0, pad, pad]]  # position 5: block 2, offset 1
     assert seq_lens.tolist() == [6, 1, 0, 0]  # padding rows have no context: attention reads no key
-    assert tables.tolist() == [[7, 2, 0], [5, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert tables.tolist() == [[[7, 2, 24], [5, 24, 24], [24, 24, 24], [24, 24, 24]]]
     assert host[layout.size :].tolist() == [-7] * 5  # nothing written past the graph's inputs
+
+
+def test_graph_inputs_with_layer_groups_split_the_interleaved_table():
+    """Two groups: a table holds each block's two entries side by side; a freed one (-1) is padding."""
+    layout = GraphLayout(batch=2, max_blocks=3, groups=2)
+    host = np.zeros(layout.size, dtype=np.int64)
+    chunks = [ChunkPlan(0, 9, [11], [-1, 4, 6, 8, 3, 1], 1)]  # blocks 0-2: (full, sliding) entries
+    layout.fill(host, chunks, 4, 24)
+    _, _, seq_lens, slots, tables = layout.split(host)
+    assert tables[:, 0].tolist() == [[24, 6, 3], [4, 8, 1]]  # group 0 had block 0 freed
+    assert slots[:, 0].tolist() == [3 * 4 + 1, 1 * 4 + 1]  # position 9: block 2, offset 1, in each group
+    assert slots[:, 1].tolist() == [24 * 4, 24 * 4]

@@ -55,10 +55,13 @@ class ContiguousKVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def max_blocks_held(self, max_total_tokens: int) -> int:
+    def max_blocks_held(self, max_total_tokens: int, max_chunk_tokens: int | None = None) -> int:
         """Blocks a request reserves at admission, and so the most it ever holds."""
         tokens = self.max_model_len if self.reserve == "max-model-len" else max_total_tokens
         return self.blocks_for_tokens(tokens)
+
+    def cached_tokens(self, cached_blocks: list[int]) -> int:
+        return 0  # no prefix cache
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])

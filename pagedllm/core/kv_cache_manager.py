@@ -9,6 +9,16 @@ block's key and its own token ids (SHA-256, so two different prefixes never
 share a key in practice, and a hit never returns another prefix's KV).  A new
 request's leading full blocks are looked up by key; the hits go into its table
 with one more holder each, and only the rest is computed.
+
+Layer groups (core/layer_groups.py): with G groups, a request's table holds G
+entries per block of tokens, interleaved: block i of group g is entry i*G + g.
+Each entry is a pool block holding that group's layers.  For a sliding group
+of window W, the entries of blocks whose every position is older than W - 1
+tokens before the next position to compute are given back to the pool
+(`free_outside_window`, at every allocation) and become FREED (-1): no query
+of the request reads them again, which every attention path guarantees by
+never reading a slot older than its query's window.  With one full group
+(every model without windows) the table is the plain one-entry-per-block list.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool
+
+FREED = -1  # a sliding group's table entry whose block went back to the pool
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,11 +56,24 @@ class AllocationResult:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, cache_salt: bytes = b""
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        cache_salt: bytes = b"",
+        group_windows: tuple[int, ...] = (0,),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if not group_windows or any(w < 0 for w in group_windows):
+            raise ValueError(f"group_windows must be one window (0: full) per layer group, got {group_windows}")
         self.block_size = block_size
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(group_windows)
+        self._sliding = [(g, w) for g, w in enumerate(group_windows) if w > 0]
+        # Per request and sliding group: how many leading blocks are FREED already.
+        self._freed_upto: dict[str, list[int]] = {}
+        self.num_blocks_freed_by_window = 0
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -80,35 +105,60 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def max_blocks_held(self, max_total_tokens: int) -> int:
-        """The most blocks a request of that length can ever hold."""
-        return self.blocks_for_tokens(max_total_tokens)
+    def max_blocks_held(self, max_total_tokens: int, max_chunk_tokens: int | None = None) -> int:
+        """The most blocks a request of that length can ever hold: every group's blocks for all its
+        tokens, except that a sliding group holds its window's blocks and one chunk's."""
+        full = self.blocks_for_tokens(max_total_tokens)
+        chunk = max_total_tokens if max_chunk_tokens is None else max_chunk_tokens
+        held = 0
+        for w in self.group_windows:
+            held += full if w == 0 else min(full, self.blocks_for_tokens(w - 1 + chunk) + 1)
+        return held
+
+    def cached_tokens(self, cached_blocks: list[int]) -> int:
+        """Tokens a `find_cached_prefix` hit covers."""
+        return len(cached_blocks) // self.num_groups * self.block_size
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def _group_key(self, key: bytes, group: int) -> bytes:
+        """The content key of one group's block: a group's K/V differ from another's for the same tokens."""
+        return key if group == 0 else hashlib.sha256(key + group.to_bytes(2, "little")).digest()
+
     # --- prefix cache ------------------------------------------------------------------
 
     def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding the longest run of the request's leading full blocks.
+        """Cached blocks holding the longest run of the request's leading full blocks (G entries each,
+        a sliding group's FREED where the first position to compute no longer sees them).
 
         The request's last token is never covered: it must be computed to give
         the logits of the next token.  Changes nothing (see `allocate_slots`).
         """
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        hits: list[int] = []
+        bs, num_groups = self.block_size, self.num_groups
+        found: list[list[int | None]] = []  # per block: each group's cached block, or None
         parent = self.root_key
         for index in range((len(token_ids) - 1) // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
-            block = self.pool.lookup(parent)
-            if block is None:
-                block = self._pending.get(parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            entries = [self._lookup(self._group_key(parent, g)) for g in range(num_groups)]
+            if any(entries[g] is None for g, w in enumerate(self.group_windows) if w == 0):
+                break  # a full group must have every block
+            found.append(entries)
+        for num_hit in range(len(found), 0, -1):  # the longest run whose windows are whole
+            first_needed = [max(0, num_hit * bs - w + 1) // bs for w in self.group_windows]
+            if all(found[i][g] is not None for g, w in self._sliding for i in range(first_needed[g], num_hit)):
+                hits = []
+                for i in range(num_hit):
+                    for g, w in enumerate(self.group_windows):
+                        hits.append(found[i][g] if w == 0 or i >= first_needed[g] else FREED)
+                return hits
+        return []
+
+    def _lookup(self, key: bytes) -> int | None:
+        block = self.pool.lookup(key)
+        return self._pending.get(key) if block is None else block
 
     def begin_step(self) -> None:
         """A new step: blocks pending from the last one are computed (and cached) or abandoned."""
@@ -119,12 +169,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[request_id]
-        bs = self.block_size
+        bs, num_groups = self.block_size, self.num_groups
         parent = self.root_key
         for index in range(num_tokens_after_step // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
-            if self.pool.lookup(parent) is None:
-                self._pending.setdefault(parent, table[index])
+            for g in range(num_groups):
+                block, key = table[index * num_groups + g], self._group_key(parent, g)
+                if block != FREED and self.pool.lookup(key) is None:
+                    self._pending.setdefault(key, block)
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Name and register the request's blocks that its computed tokens have filled."""
@@ -134,12 +186,14 @@ class KVCacheManager:
         if not table:
             return
         keys = self.block_keys.setdefault(request_id, [])
-        bs = self.block_size
+        bs, num_groups = self.block_size, self.num_groups
         parent = keys[-1] if keys else self.root_key
         for index in range(len(keys), num_computed_tokens // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
             keys.append(parent)
-            self.pool.cache_block(table[index], parent)
+            for g in range(num_groups):
+                if table[index * num_groups + g] != FREED:
+                    self.pool.cache_block(table[index * num_groups + g], self._group_key(parent, g))
 
     # --- allocation --------------------------------------------------------------------
 
@@ -166,30 +220,67 @@ class KVCacheManager:
         cached_blocks = cached_blocks or []
         if cached_blocks and table:
             raise ValueError(f"request {request_id} already holds blocks; cached blocks only start a table")
-        held = len(table) if table else len(cached_blocks)
-        missing = max(0, self.blocks_for_tokens(num_total_tokens) - held)
-        shared_index = None
+        num_groups = self.num_groups
+        if table and num_computed_tokens is not None:
+            self.free_outside_window(request_id, num_computed_tokens)
+        held = (len(table) if table else len(cached_blocks)) // num_groups
+        missing = max(0, self.blocks_for_tokens(num_total_tokens) - held) * num_groups
+        shared: list[int] = []  # table positions of shared blocks the step writes into
         if table and num_computed_tokens is not None:
             index = num_computed_tokens // self.block_size
-            if index < len(table) and self.pool.ref_counts[table[index]] > 1:
-                shared_index = index
-                missing += 1
+            if index < held:
+                for position in range(index * num_groups, (index + 1) * num_groups):
+                    block = table[position]
+                    if block != FREED and self.pool.ref_counts[block] > 1:
+                        shared.append(position)
+                missing += len(shared)
         # Cached hits that nobody holds now sit in the free list: taking them shrinks it.
-        free_after_hits = self.pool.num_free_blocks - sum(1 for b in cached_blocks if self.pool.is_free(b))
+        held_hits = [b for b in cached_blocks if b != FREED]
+        free_after_hits = self.pool.num_free_blocks - sum(1 for b in held_hits if self.pool.is_free(b))
         if missing > free_after_hits:
             return None
         if table is None:
-            self.pool.touch(cached_blocks)  # their keys are named again by cache_full_blocks
+            self.pool.touch(held_hits)  # their keys are named again by cache_full_blocks
             table = self.block_tables[request_id] = list(cached_blocks)
+            if self._sliding:
+                self._freed_upto[request_id] = [
+                    next((i for i, b in enumerate(table[g::num_groups]) if b != FREED), len(table) // num_groups)
+                    for g, _ in self._sliding
+                ]
         new_blocks = self.pool.allocate(missing)
         copies = []
-        if shared_index is not None:
-            source, copy = table[shared_index], new_blocks.pop(0)
-            table[shared_index] = copy
+        for position in shared:
+            source, copy = table[position], new_blocks.pop(0)
+            table[position] = copy
             self.pool.free_blocks([source])  # others still hold it: only the count drops
             copies.append((source, copy))
-        table.extend(new_blocks)
+        table.extend(new_blocks)  # G entries per new block of tokens, any pool block serves any group
         return AllocationResult(new_blocks, copies)
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back each sliding group's blocks that the query at `num_computed_tokens` (and every
+        later one) no longer sees: those whose every position is below num_computed_tokens - W + 1."""
+        if not self._sliding:
+            return
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        num_groups, bs = self.num_groups, self.block_size
+        held = len(table) // num_groups
+        freed_upto = self._freed_upto.setdefault(request_id, [0] * len(self._sliding))
+        released = []
+        for k, (g, w) in enumerate(self._sliding):
+            end = min(max(0, num_computed_tokens - w + 1) // bs, held)
+            for index in range(freed_upto[k], end):
+                block = table[index * num_groups + g]
+                if block != FREED:
+                    released.append(block)
+                    table[index * num_groups + g] = FREED
+            freed_upto[k] = max(freed_upto[k], end)
+        if released:
+            self.pool.free_blocks(released)
+            self.num_blocks_freed_by_window += len(released)
+            self._forget_pending()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's whole table; every block gains a holder (nothing is copied yet)."""
@@ -198,10 +289,12 @@ class KVCacheManager:
         table = self.block_tables.get(parent_id)
         if not table:
             raise ValueError(f"request {parent_id} holds no blocks to fork")
-        self.pool.incref(table)
+        self.pool.incref([b for b in table if b != FREED])
         self.block_tables[child_id] = list(table)
         if parent_id in self.block_keys:
             self.block_keys[child_id] = list(self.block_keys[parent_id])
+        if parent_id in self._freed_upto:
+            self._freed_upto[child_id] = list(self._freed_upto[parent_id])
 
     def block_states(self) -> str:
         """One character per physical block: "." free, "u" held by one request,
@@ -213,6 +306,7 @@ class KVCacheManager:
         )
 
     def num_allocated_slots(self) -> int:
+        """Slots of the blocks in use (a slot: one token of one group's layers)."""
         return self.num_used_blocks * self.block_size
 
     def external_fragmentation_slots(self, max_total_tokens: int | None) -> int:
@@ -226,8 +320,12 @@ class KVCacheManager:
         more likely to be asked for again than a request's own tail.
         """
         self.block_keys.pop(request_id, None)
+        self._freed_upto.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
-            self.pool.free_blocks(list(reversed(table)))
-            if self._pending:  # a block nobody computes any more must not be found this step
-                self._pending = {k: b for k, b in self._pending.items() if not self.pool.is_free(b)}
+            self.pool.free_blocks([b for b in reversed(table) if b != FREED])
+            self._forget_pending()
+
+    def _forget_pending(self) -> None:
+        if self._pending:  # a block nobody computes any more must not be found this step
+            self._pending = {k: b for k, b in self._pending.items() if not self.pool.is_free(b)}

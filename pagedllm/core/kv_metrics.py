@@ -1,7 +1,7 @@
 """How well the KV cache is used, sampled after every engine step.
 
 Pure Python.  Definitions, in KV slots (one slot holds one token's K and V in
-every layer):
+every layer of a block; with layer groups, in every layer of one group):
 
 - tokens: slots that hold a computed token of a running request (a block
   shared by several requests counts once);
@@ -63,16 +63,20 @@ def sample_memory(scheduler: Scheduler, step: int, time_s: float, memory_bound: 
     unshared = 0
     seen: set[int] = set()
     shared: set[int] = set()
+    groups = getattr(kv, "num_groups", 1)
     for request in scheduler.running:
         table = kv.block_table(request.request_id)
-        unshared += len(table)
-        shared.update(seen.intersection(table))
-        seen.update(table)
+        held = [b for b in table if b >= 0]  # a sliding group's freed entries are -1
+        unshared += len(held)
+        shared.update(seen.intersection(held))
+        seen.update(held)
         full, rest = divmod(request.num_computed_tokens, bs)
-        for block in table[:full]:
-            filled[block] = bs
+        for block in table[: full * groups]:
+            if block >= 0:
+                filled[block] = bs
         if rest:
-            filled[table[full]] = max(filled.get(table[full], 0), rest)
+            for block in table[full * groups : (full + 1) * groups]:
+                filled[block] = max(filled.get(block, 0), rest)
     return KVMemorySample(
         step=step,
         time_s=time_s,

@@ -83,7 +83,7 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0  # of those, tokens whose KV came from the prefix cache
 
     def add_request(self, request: Request) -> None:
-        needed = self.kv_cache.max_blocks_held(request.max_total_tokens)
+        needed = self.kv_cache.max_blocks_held(request.max_total_tokens, self.max_num_batched_tokens)
         if needed > self.kv_cache.num_blocks:
             raise ValueError(
                 f"request {request.request_id} can never fit: prompt ({request.num_prompt_tokens} tokens) + "
@@ -128,7 +128,7 @@ class Scheduler:
                 break
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request.token_ids)
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = self.kv_cache.cached_tokens(cached)
             num_new = min(request.num_tokens - num_cached, budget)
             if (
                 self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, request.max_total_tokens, cached)

@@ -53,7 +53,9 @@ def run_worker(config: EngineConfig, tp: TensorParallel, store: dist.TCPStore | 
 
     try:
         built = build_rank_model(config, tp)
-        runner = ModelRunner(built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device)
+        runner = ModelRunner(
+            built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device, built.groups
+        )
     except Exception as error:
         if store is not None:
             store.set(f"error/{tp.rank}", f"{type(error).__name__}: {error}")

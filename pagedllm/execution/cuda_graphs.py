@@ -61,38 +61,44 @@ def padded_batch_size(batch: int, sizes: Sequence[int]) -> int | None:
 
 @dataclass
 class GraphLayout:
-    """Where each input of a graph of `batch` rows sits in the shared buffer (int64 offsets)."""
+    """Where each input of a graph of `batch` rows sits in the shared buffer (int64 offsets), with
+    `groups` layer groups (core/layer_groups.py), each with its own slots and block tables."""
 
     batch: int
     max_blocks: int
+    groups: int = 1
 
     @property
     def size(self) -> int:
-        return 4 * self.batch + self.batch * self.max_blocks
+        return (3 + self.groups) * self.batch + self.groups * self.batch * self.max_blocks
 
     def split(self, flat):
-        """(ids, positions, slots, seq_lens, block_tables) as views of `flat` (a tensor or an array)."""
-        b = self.batch
-        ids, positions, slots, seq_lens = (flat[i * b : (i + 1) * b] for i in range(4))
-        tables = flat[4 * b : self.size].reshape(b, self.max_blocks)
-        return ids, positions, slots, seq_lens, tables
+        """(ids, positions, seq_lens, slots [groups, batch], block_tables [groups, batch, max_blocks])
+        as views of `flat` (a tensor or an array)."""
+        b, g = self.batch, self.groups
+        ids, positions, seq_lens = (flat[i * b : (i + 1) * b] for i in range(3))
+        slots = flat[3 * b : (3 + g) * b].reshape(g, b)
+        tables = flat[(3 + g) * b : self.size].reshape(g, b, self.max_blocks)
+        return ids, positions, seq_lens, slots, tables
 
-    def fill(self, host: np.ndarray, chunks: Sequence[Chunk], block_size: int, padding_slot: int) -> None:
-        """Write a decode step's inputs for `chunks` (at most `batch` of them) into `host`, padded."""
-        ids, positions, slots, seq_lens, tables = self.split(host)
+    def fill(self, host: np.ndarray, chunks: Sequence[Chunk], block_size: int, padding_block: int) -> None:
+        """Write a decode step's inputs for `chunks` (at most `batch` of them) into `host`, padded;
+        freed (-1) and unused table entries name the padding block."""
+        ids, positions, seq_lens, slots, tables = self.split(host)
         ids[:] = 0
         positions[:] = 0
-        slots[:] = padding_slot
         seq_lens[:] = 0
-        tables[:] = 0
+        slots[:] = padding_block * block_size
+        tables[:] = padding_block
+        g = self.groups
         for i, c in enumerate(chunks):
             position = c.start
-            table = c.block_table
+            table = np.asarray(c.block_table, dtype=np.int64).reshape(-1, g).T  # [groups, blocks]
             ids[i] = c.token_ids[0]
             positions[i] = position
-            slots[i] = table[position // block_size] * block_size + position % block_size
             seq_lens[i] = position + 1
-            tables[i, : len(table)] = table
+            slots[:, i] = table[:, position // block_size] * block_size + position % block_size
+            tables[:, i, : table.shape[1]] = np.where(table < 0, padding_block, table)
 
 
 class CudaGraphCapture:
@@ -165,10 +171,11 @@ class DecodeGraphs:
         self.runner = runner
         self.block_size = runner.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
+        self.num_groups = runner.groups.num_groups
         self.sizes = graph_batch_sizes(max_num_seqs)
         device = runner.device
         self.capturer = capture or CudaGraphCapture(device)
-        largest = GraphLayout(self.sizes[-1], self.max_blocks)
+        largest = GraphLayout(self.sizes[-1], self.max_blocks, self.num_groups)
         self.flat = torch.zeros(largest.size, dtype=torch.int64, device=device)
         self.host = self.capturer.pinned(largest.size)
         self.copied = self.capturer.event()  # the last copy out of `host` (refilled only after it ran)
@@ -179,12 +186,15 @@ class DecodeGraphs:
 
     def _forward(self, layout: GraphLayout) -> torch.Tensor:
         b = layout.batch
-        ids, positions, slots, seq_lens, tables = layout.split(self.flat)
+        ids, positions, seq_lens, slots, tables = layout.split(self.flat)
         starts = self._starts[b]
-        meta = build_attention_metadata(slots, list(range(b + 1)), [1] * b, tables, starts, seq_lens)
-        model = self.runner.model
-        hidden = model(ids, positions, self.runner.kv_caches, meta)
-        return model.compute_logits(hidden)
+        metas = [
+            build_attention_metadata(slots[g], list(range(b + 1)), [1] * b, tables[g], starts, seq_lens)
+            for g in range(layout.groups)
+        ]
+        runner = self.runner
+        hidden = runner.model(ids, positions, runner.layer_caches, [metas[g] for g in runner.groups.layer_group])
+        return runner.model.compute_logits(hidden)
 
     def _capture(self) -> None:
         began = time.monotonic()
@@ -192,8 +202,8 @@ class DecodeGraphs:
         before = self.capturer.memory_allocated()
         self._starts = {b: torch.arange(b + 1, dtype=torch.int64, device=device) for b in self.sizes}
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
-            layout = GraphLayout(b, self.max_blocks)
-            layout.fill(self.host.numpy()[: layout.size], [], self.block_size, self.runner.padding_slot)
+            layout = GraphLayout(b, self.max_blocks, self.num_groups)
+            layout.fill(self.host.numpy()[: layout.size], [], self.block_size, self.runner.padding_block)
             self.flat[: layout.size].copy_(self.host[: layout.size])
             self.graphs[b] = self.capturer.capture(lambda layout=layout: self._forward(layout))
         self.pool_bytes = self.capturer.memory_allocated() - before
@@ -211,11 +221,11 @@ class DecodeGraphs:
         if not chunks or any(c.num_new_tokens != 1 or c.num_samples == 0 for c in chunks):
             return None
         size = padded_batch_size(len(chunks), self.sizes)
-        if size is None or any(len(c.block_table) > self.max_blocks for c in chunks):
+        if size is None or any(len(c.block_table) > self.max_blocks * self.num_groups for c in chunks):
             return None
-        layout = GraphLayout(size, self.max_blocks)
+        layout = GraphLayout(size, self.max_blocks, self.num_groups)
         self.copied.synchronize()  # normally long done: the last step's sampled ids were read since
-        layout.fill(self.host.numpy()[: layout.size], chunks, self.block_size, self.runner.padding_slot)
+        layout.fill(self.host.numpy()[: layout.size], chunks, self.block_size, self.runner.padding_block)
         self.flat[: layout.size].copy_(self.host[: layout.size], non_blocking=True)
         self.copied.record()
         replay, logits = self.graphs[size]

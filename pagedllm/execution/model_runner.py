@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata
@@ -35,7 +36,7 @@ from pagedllm.models.llama import LlamaModel
 class StepTensors:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: list[AttentionMetadata]  # per layer: its group's (one object shared by a group's layers)
     logits_rows: torch.Tensor  # per sampled token (n>1 forks included): the row whose hidden state gives its logits
 
 
@@ -54,14 +55,19 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         device: str | torch.device = "cpu",
+        groups: LayerGroups | None = None,
     ) -> None:
         c = model.config
         self.model = model
+        # Layer groups (core/layer_groups.py): one cache tensor per place in a group, each layer using
+        # its place's tensor through its group's block table.  Default: one group of every layer.
+        self.groups = groups or group_layers(c.layer_windows, window_freeing=False)
         self.tp = model.tp
         self.block_size = block_size
         self.device = torch.device(device)
         # One block more than the pool hands out: rows that pad a decode graph's batch write
         # their K/V there (`padding_slot`), and no request ever reads it.
+        self.padding_block = num_blocks
         self.padding_slot = num_blocks * block_size
         cache_blocks = num_blocks + 1
         # Left uninitialized: pages are committed as blocks are first used, and attention
@@ -71,8 +77,9 @@ class ModelRunner:
         kv_heads = model.shard.num_kv_heads
         self.kv_caches = [
             torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=dtype, device=self.device)
-            for _ in range(c.num_layers)
+            for _ in range(self.groups.group_size)
         ]
+        self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]
         self.sampler = Sampler(seed, self.device)
         self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
         self.generators: dict[str, torch.Generator] = {}
@@ -85,34 +92,44 @@ class ModelRunner:
         return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
 
     def prepare(self, chunks: Sequence[Chunk]) -> StepTensors:
-        bs = self.block_size
+        bs, num_groups = self.block_size, self.groups.num_groups
         lens = [c.num_new_tokens for c in chunks]
         query_start_loc = [0, *np.cumsum(lens).tolist()]
         num_tokens, num_requests = query_start_loc[-1], len(chunks)
-        max_blocks = max(len(c.block_table) for c in chunks)
+        max_blocks = max(len(c.block_table) for c in chunks) // num_groups
         seq_lens = [c.start + c.num_new_tokens for c in chunks]
         # Forks sample from the same last-position logits as the request they fork from.
         rows = [query_start_loc[i + 1] - 1 for i, c in enumerate(chunks) for _ in range(c.num_samples)]
-        # One int64 buffer: ids, positions, slots | sampled rows | query starts, seq lens | block tables.
-        sizes = (num_tokens, num_tokens, num_tokens, len(rows), num_requests + 1, num_requests)
-        buffer = np.zeros(sum(sizes) + num_requests * max_blocks, dtype=np.int64)
+        # One int64 buffer: ids, positions, each group's slots | sampled rows | query starts, seq lens |
+        # each group's block tables.
+        sizes = (num_tokens, num_tokens, num_groups * num_tokens, len(rows), num_requests + 1, num_requests)
+        table_size = num_groups * num_requests * max_blocks
+        buffer = np.zeros(sum(sizes) + table_size, dtype=np.int64)
         ids, positions, slots, logits_rows, starts, lengths, tables = np.split(buffer, np.cumsum(sizes))
         ids[:] = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens)
         positions[:] = np.concatenate([np.arange(c.start, c.start + c.num_new_tokens) for c in chunks])
-        tables = tables.reshape(num_requests, max_blocks)
+        # Tables arrive with each block's group entries side by side; a freed entry (-1) or padding
+        # names the spare block, which no query reads.
+        interleaved = np.full((num_requests, max_blocks * num_groups), self.padding_block, dtype=np.int64)
         for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
+            interleaved[i, : len(c.block_table)] = c.block_table
+        interleaved[interleaved < 0] = self.padding_block
+        tables = tables.reshape(num_groups, num_requests, max_blocks)
+        tables[:] = interleaved.reshape(num_requests, max_blocks, num_groups).transpose(2, 0, 1)
         owner = np.repeat(np.arange(num_requests), lens)
-        slots[:] = tables[owner, positions // bs] * bs + positions % bs
+        slots.reshape(num_groups, num_tokens)[:] = tables[:, owner, positions // bs] * bs + positions % bs
         logits_rows[:] = rows
         starts[:] = query_start_loc
         lengths[:] = seq_lens
         flat = self.to_device(torch.from_numpy(buffer))
-        views = torch.split(flat, [*sizes, num_requests * max_blocks])
-        ids_t, positions_t, slots_t, rows_t, starts_t, lengths_t, tables_t = views
-        tables_t = tables_t.view(num_requests, max_blocks)
-        meta = build_attention_metadata(slots_t, query_start_loc, seq_lens, tables_t, starts_t, lengths_t)
-        return StepTensors(ids_t, positions_t, meta, rows_t)
+        ids_t, positions_t, slots_t, rows_t, starts_t, lengths_t, tables_t = torch.split(flat, [*sizes, table_size])
+        slots_t = slots_t.view(num_groups, num_tokens)
+        tables_t = tables_t.view(num_groups, num_requests, max_blocks)
+        metas = [
+            build_attention_metadata(slots_t[g], query_start_loc, seq_lens, tables_t[g], starts_t, lengths_t)
+            for g in range(num_groups)
+        ]
+        return StepTensors(ids_t, positions_t, [metas[g] for g in self.groups.layer_group], rows_t)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """`host` on the runner's device: staged in pinned memory and copied without waiting on CUDA
@@ -169,7 +186,7 @@ class ModelRunner:
             if logits is not None:  # a decode-only step that a captured graph covers
                 return logits
         step = self.prepare(chunks)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta)
         if not step.logits_rows.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.core.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
@@ -87,7 +88,8 @@ class RankModel:
     linear_backend: str
     max_model_len: int
     num_blocks: int
-    bytes_per_token: int  # KV bytes of one token on this rank (all layers, K and V)
+    bytes_per_token: int  # KV bytes of one token in one block on this rank (a layer group's layers, K and V)
+    groups: LayerGroups  # the layers one block holds, and which groups free blocks out of their window
     memory_plan: str | None = None  # CUDA: how the device's memory was shared out (logged at start)
 
 
@@ -126,7 +128,8 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     return_freed_memory()
 
     c = model_config
-    bytes_per_token = 2 * c.num_layers * shard.num_kv_heads * c.head_dim * dtype.itemsize
+    groups = group_layers(c.layer_windows, config.window_freeing and config.kv_layout == "paged")
+    bytes_per_token = 2 * groups.group_size * shard.num_kv_heads * c.head_dim * dtype.itemsize
     memory_plan = None
     if on_cuda and kv_budget is None:
         from pagedllm.execution.memory_profile import plan_kv_cache
@@ -146,17 +149,32 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         raise ValueError(
             f"kv_cache_memory {kv_budget} bytes holds no block of {config.block_size} tokens ({block_bytes} bytes each)"
         )
+    # One request at full length holds at most a block per group for each of its blocks of tokens.
     fitted = fit_max_model_len(
-        max_model_len, config.max_model_len is not None, num_blocks, config.block_size, block_bytes
+        max_model_len,
+        config.max_model_len is not None,
+        num_blocks // groups.num_groups,
+        config.block_size,
+        block_bytes * groups.num_groups,
     )
     if fitted < max_model_len and tp.rank == 0:
         logger.warning(
             "the KV cache holds %d tokens, fewer than the model's context length of %d: max model length lowered "
             "to %d (raise --kv-cache-memory for longer requests)",
-            num_blocks * config.block_size,
+            num_blocks // groups.num_groups * config.block_size,
             max_model_len,
             fitted,
         )
     return RankModel(
-        model, model_config, path, device, dtype, linear_backend, fitted, num_blocks, bytes_per_token, memory_plan
+        model,
+        model_config,
+        path,
+        device,
+        dtype,
+        linear_backend,
+        fitted,
+        num_blocks,
+        bytes_per_token,
+        groups,
+        memory_plan,
     )

@@ -18,7 +18,7 @@ from torch import nn
 from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
 from pagedllm.execution.attention_metadata import AttentionMetadata
 from pagedllm.execution.fused_ops import LayerOps, Rotary
-from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel
+from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, per_layer
 from pagedllm.models.loader import ModelConfig
 
 
@@ -118,11 +118,16 @@ class Gemma3Model(LlamaModel):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         residual, delta = self.embed(input_ids) * self.embed_scale, None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            delta = layer(delta, residual, positions, kv_cache, meta, self.rotary_for(layer), self.attention, self.ops)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
+            rotary = self.rotary_for(layer)
+            delta = layer(delta, residual, positions, kv_cache, layer_meta, rotary, self.attention, self.ops)
         residual.add_(delta)
         return gemma_rms_norm(residual, self.norm, self.config.rms_norm_eps)
 

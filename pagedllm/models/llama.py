@@ -23,6 +23,11 @@ from pagedllm.models.loader import ModelConfig
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
 
+def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
+    """One step's attention metadata per layer: one for every layer, or each layer's group's."""
+    return meta if isinstance(meta, list) else [meta] * num_layers
+
+
 class DecoderLayer(nn.Module):
     """One layer, holding this rank's heads and MLP slice (all of them at tensor-parallel size 1)."""
 
@@ -175,11 +180,16 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
+        """`kv_caches` and (with layer groups, core/layer_groups.py) `meta`: one per layer."""
         residual, delta = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            delta = layer(delta, residual, positions, kv_cache, meta, self.rotary, self.attention, self.ops)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
+            delta = layer(delta, residual, positions, kv_cache, layer_meta, self.rotary, self.attention, self.ops)
         return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
