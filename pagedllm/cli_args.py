@@ -54,6 +54,13 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
     )
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn it off")
     g.add_argument(
+        "--no-window-freeing",
+        dest="window_freeing",
+        action="store_false",
+        help="sliding-window layers keep every block until the request ends (by default they give back "
+        "the blocks their window has left behind)",
+    )
+    g.add_argument(
         "--reserve",
         default=defaults["reserve"].default,
         choices=["max-model-len", "request"],
@@ -172,6 +179,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         block_size=block_size if block_size is not None else args.block_size,
         kv_layout=args.kv_layout,
         enable_prefix_caching=args.enable_prefix_caching,
+        window_freeing=args.window_freeing,
         reserve=args.reserve,
         kv_cache_memory=args.kv_cache_memory,
         device=args.device,

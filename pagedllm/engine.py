@@ -86,7 +86,8 @@ class LLMEngine:
             raise
         model_config, num_blocks = built.model_config, built.num_blocks
         self.dtype = built.dtype
-        self.groups = built.groups
+        self.layer_groups = built.groups  # which layers share a block, and which free theirs
+        self.kv_block_bytes = built.bytes_per_token * config.block_size * tp.size  # one pool block, all ranks
         self.device = built.device
         self.model_config = model_config
         self.linear_backend = built.linear_backend

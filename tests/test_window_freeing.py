@@ -150,13 +150,11 @@ def run(checkpoint, window_freeing: bool) -> dict:
         gen = torch.Generator().manual_seed(1)
         shared = torch.randint(1000, 49152, (30,), generator=gen).tolist()
         prompts = [shared + torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (2, 9, 21, 40)]
+        sampled = SamplingParams(n=3, temperature=0.9, seed=2, max_tokens=24)
         out = {
             "greedy": [o.token_ids for o in llm.generate(prompts, greedy(40))],
             "again": [o.token_ids for o in llm.generate(prompts[:2], greedy(8))],  # prefix hits
-            "samples": [
-                c.token_ids
-                for c in llm.generate(prompts[1], SamplingParams(n=3, temperature=0.9, seed=2, max_tokens=24))[0].outputs
-            ],
+            "samples": [c.token_ids for c in llm.generate(prompts[1], sampled)[0].outputs],
             "beams": [h.token_ids for h in llm.beam_search([prompts[0]], beam_width=2, max_tokens=20)[0].outputs],
         }
         engine = llm.engine

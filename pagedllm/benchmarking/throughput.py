@@ -52,6 +52,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
     engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
     engine.memory.reset(engine.scheduler)
     message_bytes_before = engine.runner.step_message_bytes
+    freed_before = getattr(engine.kv_cache, "num_blocks_freed_by_window", 0)
     output_tokens = 0
     ttfts = []
     with tqdm(total=len(requests), desc=desc, unit="req") as bar:
@@ -76,6 +77,10 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "preemptions": engine.scheduler.num_preemptions - stats_before[1],
         "kv_blocks_total": engine.kv_cache.num_blocks,
         "kv_peak_blocks_used": engine.stats.kv_peak_blocks_used,
+        # Bytes of KV the busiest step held, every layer (and rank) counted.
+        "kv_bytes_peak": engine.stats.kv_peak_blocks_used * engine.kv_block_bytes,
+        "kv_blocks_freed_by_window": getattr(engine.kv_cache, "num_blocks_freed_by_window", 0) - freed_before,
+        "layer_groups": engine.layer_groups.describe(),
         "block_size": engine.config.block_size,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,

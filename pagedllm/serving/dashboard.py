@@ -35,6 +35,9 @@ def engine_state(engine: LLMEngine) -> dict:
         },
         "prefix_cache_hit_rate": scheduler.prefix_cache_hit_tokens / queried if queried else 0.0,
         "forks": scheduler.num_forks,
+        # Sliding-window layers' blocks given back while their requests ran (core/layer_groups.py).
+        "kv_blocks_freed_by_window": getattr(kv, "num_blocks_freed_by_window", 0),
+        "layer_groups": engine.layer_groups.describe(),
         "cow_copies": scheduler.num_cow_copies,
         # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
         "tensor_parallel_size": engine.config.tensor_parallel_size,
