@@ -40,7 +40,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def run(path, attention: str, **engine) -> dict:
-    # 12 blocks of 8 tokens: the four requests together need more, so some are preempted and recomputed.
+    # A cache too small for the four requests together: some are preempted and recomputed.
     args = dict(dtype="float32", block_size=8, max_num_batched_tokens=24, attention=attention, **engine)
     with LLM(str(path), **args) as llm:
         gen = torch.Generator().manual_seed(3)
@@ -63,7 +63,10 @@ def run(path, attention: str, **engine) -> dict:
 
 
 def test_the_triton_kernel_drives_the_engine_like_the_cpp_kernels(checkpoint):
-    memory = f"{12 * 8 * 2 * SHAPE['num_hidden_layers'] * 64 * 4}"  # 12 blocks of 8 tokens, float32, K and V
+    # Blocks of 8 tokens, float32, K and V: 12 for llama; 8 for Gemma 3, whose sliding layers give
+    # blocks back (so the four requests still run out of room and one is preempted).
+    blocks = 8 if checkpoint.name.startswith("gemma3") else 12
+    memory = f"{blocks * 8 * 2 * SHAPE['num_hidden_layers'] * 64 * 4}"
     cpp = run(checkpoint, "cpp", kv_cache_memory=memory)
     triton = run(checkpoint, "triton", kv_cache_memory=memory)
     assert cpp["preemptions"] > 0 and cpp["hits"] > 0
