@@ -5,8 +5,8 @@ on, a sliding group gives back the blocks its window has left behind while the
 request runs; off, every layer keeps every block to the end.  Reported per
 setting: output tok/s, peak concurrent requests, preemptions, `kv_bytes_peak`
 (bytes of KV at the busiest step, every layer), blocks freed by the window, and
-the KV one request holds once its context reaches the prompt length, measured
-on the running engine after every step, against all layers at full length.
+the KV each request holds at its last step (context = prompt + output - 1), read
+off the running engine, against all of its layers at full length.
 
     python benchmarks/window_freeing.py --model gemma3-270m --num-prompts 8 --input-len 4096 \\
         --output-len 256 --kv-cache-memory 330MiB --dtype float32 --output docs/results/window-freeing.json
@@ -24,24 +24,22 @@ from pagedllm.core.kv_cache_manager import FREED
 from pagedllm.engine import LLMEngine
 
 
-def watch_request_memory(engine: LLMEngine, context: int) -> dict:
-    """Wrap `engine.step` to record, after each step, the KV bytes of every running request whose
-    computed context is at least `context`; returns the record (filled while the engine runs)."""
-    record = {"samples": 0, "held_bytes_max": 0, "full_bytes_at_same_context": 0}
+def watch_request_memory(engine: LLMEngine, context: int) -> dict[str, tuple[int, int]]:
+    """Wrap `engine.step` to record, after each step, each running request's KV bytes once its
+    computed context is at least `context`, beside what all its layers at full length would hold:
+    request id -> (held, all layers full) at its last step (the longest context it reached)."""
+    record: dict[str, tuple[int, int]] = {}
     step = engine.step
 
     def watched():
         outputs = step()
         kv = engine.kv_cache
         for request in engine.scheduler.running:
-            if request.num_computed_tokens < context:
-                continue
-            held = sum(1 for b in kv.block_table(request.request_id) if b != FREED)
-            if held * engine.kv_block_bytes > record["held_bytes_max"]:
+            if request.num_computed_tokens >= context:
+                held = sum(1 for b in kv.block_table(request.request_id) if b != FREED)
                 blocks = -(-request.num_computed_tokens // kv.block_size)
-                record["held_bytes_max"] = held * engine.kv_block_bytes
-                record["full_bytes_at_same_context"] = blocks * kv.num_groups * engine.kv_block_bytes
-            record["samples"] += 1
+                full = blocks * getattr(kv, "num_groups", 1)
+                record[request.request_id] = (held * engine.kv_block_bytes, full * engine.kv_block_bytes)
         return outputs
 
     engine.step = watched
@@ -75,11 +73,13 @@ def main() -> None:
         requests = generate_dataset(spec, engine.model_config.vocab_size)
         record = watch_request_memory(engine, args.input_len)
         result = run_on_engine(engine, requests, desc=name)
-        result["one_request_at_input_len"] = record
-        if record["full_bytes_at_same_context"]:
-            result["one_request_held_over_all_layers_full"] = round(
-                record["held_bytes_max"] / record["full_bytes_at_same_context"], 4
-            )
+        held, full = [sum(values) / len(record) for values in zip(*record.values())]
+        result["per_request_at_last_step"] = {
+            "requests": len(record),
+            "kv_bytes_held_mean": round(held),
+            "kv_bytes_all_layers_full_mean": round(full),
+            "held_over_all_layers_full": round(held / full, 4),
+        }
         results[name] = result
         del engine
         gc.collect()
