@@ -35,7 +35,8 @@ SHAPE = dict(
 MODELS = {
     "llama": ("llama", dict(tie_word_embeddings=False)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
-    "gemma3": ("gemma3_text", dict(sliding_window=24)),
+    # 6 layers: 5 sliding and 1 full, so 6 layer groups whose sliding blocks are freed as requests run
+    "gemma3": ("gemma3_text", dict(sliding_window=24, num_hidden_layers=6)),
 }
 
 
@@ -43,7 +44,7 @@ MODELS = {
 def checkpoint(request, tmp_path_factory):
     model_type, extra = MODELS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    hf = save_random_model(path, model_type, **SHAPE, **extra)
+    hf = save_random_model(path, model_type, **{**SHAPE, **extra})
     return path, hf
 
 
