@@ -211,9 +211,11 @@ class KVCacheManager:
         only) start its table and gain a holder each.  When the step will
         write from position `num_computed_tokens` into a block that other
         requests also hold (a fork's shared last block), that block is
-        replaced by a fresh copy: copy-on-write.  Returns the new blocks and
-        copies, or None (and changes nothing) when the pool has too few free
-        blocks.  `max_total_tokens` is unused: paging allocates on demand (the
+        replaced by a fresh copy: copy-on-write.  With `num_computed_tokens`,
+        sliding groups first give back the blocks out of their window (always:
+        no query needs them again).  Returns the new blocks and copies, or None
+        (and allocates nothing) when the pool has too few free blocks.
+        `max_total_tokens` is unused: paging allocates on demand (the
         contiguous layout reserves it up front).
         """
         table = self.block_tables.get(request_id)

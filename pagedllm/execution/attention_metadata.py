@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 DECODE_GROUP_SIZE = 32
+
+
+def group_block_tables(tables: list[list[int]], num_groups: int, max_blocks: int, padding_block: int) -> np.ndarray:
+    """[num_groups, len(tables), max_blocks] int64 from tables that hold each block's group entries
+    side by side (core/kv_cache_manager.py); freed entries (-1) and padding name `padding_block`,
+    a block no query reads."""
+    interleaved = np.full((len(tables), max_blocks * num_groups), padding_block, dtype=np.int64)
+    for i, table in enumerate(tables):
+        interleaved[i, : len(table)] = table
+    interleaved[interleaved < 0] = padding_block
+    return interleaved.reshape(len(tables), max_blocks, num_groups).transpose(2, 0, 1)
 
 
 @dataclass

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.step_message import Chunk
-from pagedllm.execution.attention_metadata import build_attention_metadata
+from pagedllm.execution.attention_metadata import build_attention_metadata, group_block_tables
 
 logger = logging.getLogger("pagedllm")
 
@@ -85,20 +85,16 @@ class GraphLayout:
         """Write a decode step's inputs for `chunks` (at most `batch` of them) into `host`, padded;
         freed (-1) and unused table entries name the padding block."""
         ids, positions, seq_lens, slots, tables = self.split(host)
-        ids[:] = 0
-        positions[:] = 0
-        seq_lens[:] = 0
-        slots[:] = padding_block * block_size
-        tables[:] = padding_block
-        g = self.groups
-        for i, c in enumerate(chunks):
-            position = c.start
-            table = np.asarray(c.block_table, dtype=np.int64).reshape(-1, g).T  # [groups, blocks]
-            ids[i] = c.token_ids[0]
-            positions[i] = position
-            seq_lens[i] = position + 1
-            slots[:, i] = table[:, position // block_size] * block_size + position % block_size
-            tables[:, i, : table.shape[1]] = np.where(table < 0, padding_block, table)
+        n = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        ids[:n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
+        positions[:n] = starts
+        seq_lens[:n] = starts + 1
+        ids[n:] = positions[n:] = seq_lens[n:] = 0  # padding rows: no context, so no key is read
+        tables[:, :n] = group_block_tables([c.block_table for c in chunks], self.groups, self.max_blocks, padding_block)
+        tables[:, n:] = padding_block
+        slots[:, :n] = tables[:, np.arange(n), starts // block_size] * block_size + starts % block_size
+        slots[:, n:] = padding_block * block_size
 
 
 class CudaGraphCapture:

@@ -19,6 +19,7 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.startup_checks import GpuMemoryPlan, plan_gpu_memory
 from pagedllm.core.step_message import ChunkPlan
 from pagedllm.execution.cuda_graphs import graph_batch_sizes
+from pagedllm.execution.model_runner import ModelRunner
 
 
 def profile_step_bytes(
@@ -26,8 +27,6 @@ def profile_step_bytes(
 ) -> int:
     """Peak bytes the allocator holds, above what it held before, for one step at the token budget
     (the throwaway KV cache excluded)."""
-    from pagedllm.execution.model_runner import ModelRunner  # the runner imports this module's neighbours
-
     lengths = []
     left = budget
     while left > 0:  # requests no longer than the model allows, the budget's tokens in all

@@ -25,7 +25,7 @@ import torch
 from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
-from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
 from pagedllm.execution.structured_output import StructuredOutputs
@@ -65,10 +65,9 @@ class ModelRunner:
         self.tp = model.tp
         self.block_size = block_size
         self.device = torch.device(device)
-        # One block more than the pool hands out: rows that pad a decode graph's batch write
-        # their K/V there (`padding_slot`), and no request ever reads it.
+        # One block more than the pool hands out: rows that pad a decode graph's batch write their
+        # K/V there, and freed or unused table entries name it; no request ever reads it.
         self.padding_block = num_blocks
-        self.padding_slot = num_blocks * block_size
         cache_blocks = num_blocks + 1
         # Left uninitialized: pages are committed as blocks are first used, and attention
         # never lets a slot outside a request's context reach its output, NaN included
@@ -108,14 +107,8 @@ class ModelRunner:
         ids, positions, slots, logits_rows, starts, lengths, tables = np.split(buffer, np.cumsum(sizes))
         ids[:] = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens)
         positions[:] = np.concatenate([np.arange(c.start, c.start + c.num_new_tokens) for c in chunks])
-        # Tables arrive with each block's group entries side by side; a freed entry (-1) or padding
-        # names the spare block, which no query reads.
-        interleaved = np.full((num_requests, max_blocks * num_groups), self.padding_block, dtype=np.int64)
-        for i, c in enumerate(chunks):
-            interleaved[i, : len(c.block_table)] = c.block_table
-        interleaved[interleaved < 0] = self.padding_block
         tables = tables.reshape(num_groups, num_requests, max_blocks)
-        tables[:] = interleaved.reshape(num_requests, max_blocks, num_groups).transpose(2, 0, 1)
+        tables[:] = group_block_tables([c.block_table for c in chunks], num_groups, max_blocks, self.padding_block)
         owner = np.repeat(np.arange(num_requests), lens)
         slots.reshape(num_groups, num_tokens)[:] = tables[:, owner, positions // bs] * bs + positions % bs
         logits_rows[:] = rows
