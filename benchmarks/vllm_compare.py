@@ -13,7 +13,9 @@ around generation only; each keeps its own defaults otherwise (block size,
 token budget, prefix caching on in both, vLLM's compiled model path: no
 `enforce_eager`).  Start-up (constructing the engine, compilation included) is
 reported beside.  vLLM reads a Hugging Face directory, which this script
-converts once from the bundled GGUF (into ~/.cache/pagedllm/hf-smollm2).
+converts once from the bundled model's GGUF (`--model smollm2`, the default,
+or `--model gemma3-270m`; into ~/.cache/pagedllm/hf-NAME), dequantized to
+float32 as pagedllm dequantizes it, so both engines run the same weights.
 vLLM runs tuned as its CPU docs recommend (both cores bound with
 VLLM_CPU_OMP_THREADS_BIND, tcmalloc and Intel OpenMP preloaded), and with
 `--with-default` also with no tuning.
@@ -30,13 +32,13 @@ import textwrap
 import time
 from pathlib import Path
 
-from pagedllm.benchmarking.datasets import load_workload
+from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
 from pagedllm.benchmarking.throughput import print_result, run_on_engine
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.execution.cpu_kernels import cpu_summary
 from pagedllm.execution.rank_model import resolve_dtype
-from pagedllm.models.loader import default_model_path
+from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 from pagedllm.text.tokenizer import _cache_dir
 
 VLLM_RUNNER = textwrap.dedent(
@@ -63,15 +65,15 @@ VLLM_RUNNER = textwrap.dedent(
 )
 
 
-def hf_directory() -> Path:
-    """The bundled GGUF as a Hugging Face directory (float32 safetensors + tokenizer), made once."""
-    target = _cache_dir() / "hf-smollm2"
+def hf_directory(name: str) -> Path:
+    """A bundled model's GGUF as a Hugging Face directory (float32 safetensors + tokenizer), made once."""
+    target = _cache_dir() / f"hf-{name}"
     if (target / "config.json").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_model_path()
+    gguf = resolve_model_path(name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # dequantized already: save as plain float32
@@ -114,19 +116,30 @@ def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, nu
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="the python of the venv that has vllm-cpu")
-    parser.add_argument("--workload", required=True)
+    parser.add_argument("--workload", help="a JSONL workload; or generate one with --input-len/--output-len")
+    parser.add_argument("--input-len", type=int, help="random prompts of this many tokens (instead of --workload)")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--with-default", action="store_true", help="also run vLLM with no tuning")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    model = hf_directory(args.model)
+    if (args.workload is None) == (args.input_len is None):
+        raise SystemExit("give --workload or --input-len (random prompts), not both")
+    if args.workload is None:  # random token ids below both engines' vocabulary, saved for vLLM to read
+        vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 49152)
+        spec = DatasetSpec("random", args.num_requests or 16, args.input_len, args.output_len)
+        args.workload = str(_cache_dir() / f"random-{spec.num_prompts}x{args.input_len}+{args.output_len}.jsonl")
+        save_workload(generate_dataset(spec, vocab), args.workload)
     requests = load_workload(args.workload, args.num_requests)
-    model = hf_directory()
     args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
-    result: dict = {"workload": args.workload, "requests": len(requests), "dtype": args.dtype, "cpu": cpu_summary()}
+    result: dict = {"model": args.model, "workload": args.workload, "requests": len(requests), "dtype": args.dtype}
+    result["cpu"] = cpu_summary()
     print(result["cpu"], args.dtype, flush=True)
-    config = EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
+    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
     begin = time.perf_counter()
     with LLMEngine(config) as engine:
         startup = time.perf_counter() - begin

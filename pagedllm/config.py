@@ -36,7 +36,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/execution/attention.py)
     linear: str = (
-        "auto"  # auto | onednn | torch (see pagedllm/execution/linear.py); auto adds the bf16 small-batch GEMV
+        "auto"  # auto | onednn | torch (see pagedllm/execution/linear.py); auto adds the small-batch GEMV
     )
     num_threads: int | None = None  # threads per step; None: the cores other processes leave free, measured live
     adaptive_threads: bool = True  # with num_threads None: False keeps one thread per core whatever else runs

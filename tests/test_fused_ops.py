@@ -80,22 +80,24 @@ def test_select_ops() -> None:
         select_ops("cpp", torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536)])
 def test_small_batch_gemv_and_the_linear_that_routes_to_it(
-    cpp: CppOps, rows: int, out_features: int, in_features: int
+    cpp: CppOps, dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
     from pagedllm.execution.linear import GEMV_MAX_ROWS, Linear
 
-    if cpp.gemv is None:
-        pytest.skip("no AVX512-BF16 on this CPU: the GEMV kernel is not built")
+    if cpp.gemv is None or dtype not in cpp.gemv.gemv_dtypes:
+        pytest.skip(f"the GEMV kernel does not run {dtype} on this CPU (bfloat16 needs AVX512-BF16)")
     gen = torch.Generator().manual_seed(out_features + rows)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    expected = (x.float() @ weight.float().t()).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    expected = (x.float() @ weight.float().t()).to(dtype)
     linear = Linear(weight, "onednn", cpp.gemv)
     assert linear.plain is not None
-    # Accumulated in float32 either way, rounded once to bfloat16: one last-bit difference at most.
-    torch.testing.assert_close(linear(x).float(), expected.float(), atol=1e-2, rtol=8e-3)
+    # Accumulated in float32 either way (bfloat16: rounded once, one last-bit difference at most).
+    tol = {"atol": 1e-2, "rtol": 8e-3} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(linear(x).float(), expected.float(), **tol)
     if rows <= GEMV_MAX_ROWS:
-        torch.testing.assert_close(cpp.gemv.gemv(x, weight).float(), expected.float(), atol=1e-2, rtol=8e-3)
+        torch.testing.assert_close(cpp.gemv.gemv(x, weight).float(), expected.float(), **tol)

@@ -46,10 +46,10 @@ _SIGNATURES = {
     "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F],
     "rope_write_kv": [_P] * 8 + [_I] * 4,
     "silu_mul": [_P] * 2 + [_I] * 2,
+    "gemv": [_P] * 3 + [_I] * 3,  # bfloat16 only where built with AVX512-BF16: see `gemv_dtypes`
 }
-# Built for bfloat16 only (AVX512-BF16); `gemv_bf16_available` says whether this build has it.
-_BF16_ONLY = {"gemv": [_P] * 3 + [_I] * 3}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+GEMV_K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}  # the inner size's step in csrc/gemv.cpp
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 
 
@@ -144,12 +144,10 @@ class CpuKernels:
                 fn = getattr(library, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
-        for name, argtypes in _BF16_ONLY.items():
-            fn = getattr(library, f"{name}_bf16")
-            fn.argtypes, fn.restype = argtypes, None
-            self._fns[name, torch.bfloat16] = fn
-        library.gemv_bf16_available.restype = ctypes.c_int64
-        self.has_gemv = bool(library.gemv_bf16_available())
+        library.gemv_available.restype = ctypes.c_int64
+        available = library.gemv_available()
+        # The dtypes the small-batch GEMV runs in this build (bfloat16 needs AVX512-BF16).
+        self.gemv_dtypes = frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if available & bit)
 
     def _fn(self, name: str, dtype: torch.dtype):
         fn = self._fns.get((name, dtype))
@@ -225,7 +223,8 @@ class CpuKernels:
         return out
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ weight[n, k]^T for a few rows, bfloat16, k a multiple of 32 (see csrc/gemv.cpp)."""
+        """x [m, k] @ weight[n, k]^T for a few rows, a dtype of `gemv_dtypes`, k a multiple of
+        GEMV_K_MULTIPLE[dtype] (see csrc/gemv.cpp)."""
         _check(x, weight)
         m, k = x.shape
         n = weight.shape[0]

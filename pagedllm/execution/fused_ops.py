@@ -85,7 +85,7 @@ class CppOps:
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-        self.gemv = kernels if kernels.has_gemv else None
+        self.gemv = kernels if kernels.gemv_dtypes else None
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -10,10 +10,11 @@ any number of rows.  Where oneDNN cannot take the dtype here (bfloat16 needs
 AVX-512 or AVX-NE-CONVERT), or `linear="torch"`, plain `F.linear` is used.
 
 A decode step of one or two requests is bound by reading the weights, and
-there oneDNN's per-call overhead showed: with AVX512-BF16, bfloat16 linears
-of at most `GEMV_MAX_ROWS` rows go to the C++ GEMV kernel (csrc/gemv.cpp)
-instead, which reads the plain weight once.  It keeps that plain copy beside
-the packed one (for SmolLM2 in bfloat16, +203 MiB).
+there oneDNN's per-call overhead showed: linears of at most `GEMV_MAX_ROWS`
+rows go to the C++ GEMV kernel (csrc/gemv.cpp) instead, which reads the plain
+weight once: float32 everywhere (AVX-512F or plain C++), bfloat16 with
+AVX512-BF16.  It keeps that plain copy beside the packed one (for SmolLM2,
++203 MiB in bfloat16, +406 MiB in float32); `linear="onednn"` goes without.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.execution.cpu_kernels import GEMV_K_MULTIPLE
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 GEMV_MAX_ROWS = 2
@@ -52,12 +55,13 @@ def resolve_linear_backend(name: str, dtype: torch.dtype) -> str:
 
 class Linear:
     """x [tokens, in] -> [tokens, out] for a weight [out, in]; `gemv` (a CpuKernels, or None) takes
-    bfloat16 calls of at most GEMV_MAX_ROWS rows where it can."""
+    calls of at most GEMV_MAX_ROWS rows in the dtypes it runs."""
 
     def __init__(self, weight: torch.Tensor, backend: str, gemv=None) -> None:
         self.out_features = weight.shape[0]
         self.plain: torch.Tensor | None = None  # the [out, in] weight the GEMV kernel reads
-        if gemv is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and gemv.has_gemv:
+        dtype = weight.dtype
+        if gemv is not None and dtype in gemv.gemv_dtypes and weight.shape[1] % GEMV_K_MULTIPLE[dtype] == 0:
             self.plain, self._gemv = weight.contiguous(), gemv.gemv
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 128)
