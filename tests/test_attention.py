@@ -209,3 +209,24 @@ def test_cpp_attention_is_chosen_for_every_supported_head_dim(caplog):
         assert not caplog.records
         assert select_attention("auto", 96, 16) is torch_attention
     assert "pure-torch path" in caplog.text
+
+
+@pytest.mark.parametrize("window", [0, 40, 2000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypatch):
+    """`cpp_attention` sends whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts
+    to SDPA, the rest of the step to the C++ kernels: a mixed step (a whole prompt over the
+    threshold, one under it, a chunk over cached context, decodes) equals the reference, and
+    the SDPA path was taken (or not, when the window cuts the prompt)."""
+    import pagedllm.execution.attention as attention_module
+
+    taken: list[list[int]] = []
+    sdpa = attention_module._prefill_sdpa
+    monkeypatch.setattr(attention_module, "_prefill_sdpa", lambda *a, **k: taken.append(list(a[5])) or sdpa(*a, **k))
+    shapes = [(0, 1100), (0, 30), (50, 40), (70, 1), (0, 1025), (300, 1)]
+    assert attention_module.SDPA_MIN_PROMPT <= 1025
+    q, cache, meta, _ = make_batch(11, 16, 3, 3, 64, shapes, dtype=dtype)
+    expected = reference_attention(q, cache, meta, window).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
+    assert taken == ([] if window == 40 else [[0, 4]])

@@ -11,8 +11,11 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
   gathered blocks; decodes are sorted by length and run in groups as batched
   matmuls, each group padded only to its own longest member.
 - `cpp_attention`: C++/OpenMP kernels that read K/V in place through the block
-  tables (no gather, no padding): one for prefill chunks (online softmax over
-  key tiles, causal), one for decodes.
+  tables (no gather, no padding): one for prefill chunks (exact softmax over
+  key tiles, causal), one for decodes.  A whole prompt of at least
+  SDPA_MIN_PROMPT tokens (no cached context) goes to SDPA instead: at long
+  context torch's flash attention measured faster than the C++ prefill kernel
+  (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pagedllm.execution.attention_metadata import AttentionMetadata
 from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
+
+# Whole prompts at least this long run through SDPA in `cpp_attention` (see docs/performance.md).
+SDPA_MIN_PROMPT = 1024
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -62,11 +68,16 @@ def reference_attention(
 
 
 def _prefill_sdpa(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, window: int
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor,
+    window: int,
+    indices: list[int] | None = None,
 ) -> None:
-    """Prefill chunks, one SDPA call per request over its gathered blocks."""
+    """Prefill chunks (all, or those of `indices`), one SDPA call per request over its gathered blocks."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    for i in meta.prefill_indices:
+    for i in meta.prefill_indices if indices is None else indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, num_new = meta.seq_lens[i], end - start
         # Keys lo .. seq_len - 1: under a window, nothing older than the first new token's window
@@ -76,8 +87,10 @@ def _prefill_sdpa(
         skip = lo // block_size * block_size
         k = kv_cache[0].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip]
         v = kv_cache[1].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip]
-        k, v, keys = k.transpose(0, 1), v.transpose(0, 1), seq_len - lo
-        qi = q[start:end].transpose(0, 1)
+        # 4-D [1, heads, tokens, dim]: torch's CPU flash kernel takes only that (3-D fell back to
+        # the plain math path, measured 2-4x slower).
+        k, v, keys = k.transpose(0, 1)[None], v.transpose(0, 1)[None], seq_len - lo
+        qi = q[start:end].transpose(0, 1)[None]
         if num_new == keys:
             o = F.scaled_dot_product_attention(
                 qi,
@@ -89,7 +102,7 @@ def _prefill_sdpa(
             )
         else:  # a later chunk: causal inside the chunk, the earlier context in view
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=_window_mask(num_new, keys, window), enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
 
 
 def _window_mask(num_new: int, keys: int, window: int) -> torch.Tensor:
@@ -138,14 +151,23 @@ def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
-    """Prefill chunks and decodes both read K/V in place through the block tables (C++ kernels)."""
+    """Prefill chunks and decodes both read K/V in place through the block tables (C++ kernels),
+    except whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts: torch's SDPA
+    (flash attention, causal) on their gathered K/V."""
     kernels = load_cpu_kernels()
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if meta.prefill_indices:
-        starts, lens, seq_lens, tables = meta.prefill_tensors()
-        kernels.paged_prefill_attention(q, kv_cache[0], kv_cache[1], out, starts, lens, seq_lens, tables, scale, window)
+        whole = meta.whole_prompt_prefills(SDPA_MIN_PROMPT, window)
+        if whole:  # no window applies to them (it is 0, or longer than the prompt)
+            _prefill_sdpa(q, kv_cache, meta, out, 0, whole)
+        rest = [i for i in meta.prefill_indices if i not in whole] if whole else None
+        if rest != []:
+            starts, lens, seq_lens, tables = meta.prefill_tensors(rest)
+            kernels.paged_prefill_attention(
+                q, kv_cache[0], kv_cache[1], out, starts, lens, seq_lens, tables, scale, window
+            )
     if meta.decode_indices:
         rows, seq_lens, tables = meta.decode_tensors()
         kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale, window)

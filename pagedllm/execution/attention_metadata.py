@@ -60,20 +60,31 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor | None = None  # [num_requests] int64
     _decode_groups: list[DecodeGroup] | None = None
     _decode_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    _prefill_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _prefill_tensors: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
-    def prefill_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(first query row, new tokens, seq lens, block tables) of the prefilling requests, for the C++ kernel."""
-        if self._prefill_tensors is None:
-            index = self.prefill_indices
+    def prefill_tensors(self, indices: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """(first query row, new tokens, seq lens, block tables) of the prefilling requests (or of
+        `indices`, some of them), for the C++ kernel."""
+        index = tuple(self.prefill_indices if indices is None else indices)
+        if index not in self._prefill_tensors:
             qsl = self.query_start_loc
-            self._prefill_tensors = (
+            self._prefill_tensors[index] = (
                 torch.tensor([qsl[i] for i in index], dtype=torch.int64),
                 torch.tensor([qsl[i + 1] - qsl[i] for i in index], dtype=torch.int64),
                 torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
                 self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
             )
-        return self._prefill_tensors
+        return self._prefill_tensors[index]
+
+    def whole_prompt_prefills(self, min_tokens: int, window: int = 0) -> list[int]:
+        """Prefilling requests whose whole context is this step's tokens (no cached prefix, no
+        earlier chunk), at least `min_tokens` of them, and that a sliding window does not cut."""
+        qsl = self.query_start_loc
+        return [
+            i
+            for i in self.prefill_indices
+            if qsl[i + 1] - qsl[i] == self.seq_lens[i] >= min_tokens and (window == 0 or self.seq_lens[i] <= window)
+        ]
 
     def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(query rows, seq lens, block tables) of the decoding requests, for the C++ kernel."""
