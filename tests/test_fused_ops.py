@@ -70,6 +70,15 @@ def test_silu_mul(cpp: CppOps, dtype: torch.dtype, rows: int) -> None:
     close(cpp.silu_mul(gate_up), TorchOps().silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gelu_tanh_mul(cpp: CppOps, dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 2048, generator=gen) * 6).to(dtype)  # both tails, and near 0
+    gate_up[0, :8] = torch.tensor([0.0, 1e-6, -1e-6, 1e-3, -9.0, 9.0, 40.0, -40.0])
+    close(cpp.gelu_tanh_mul(gate_up), TorchOps().gelu_tanh_mul(gate_up), dtype)
+
+
 def test_select_ops() -> None:
     assert select_ops("torch", torch.float32).name == "torch"
     assert select_ops("auto", torch.float16).name == "torch"  # the C++ ops run float32 and bfloat16 only

@@ -57,6 +57,8 @@ def test_greedy_tokens_equal_transformers_on_six_prompts_one_past_the_window(gem
         torch.testing.assert_close(our_logits(llm, ids), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
     # Past the window, ~2,000 positions of float32 sums: transformers' own sdpa and eager paths
     # differ by 2e-3 there, while a window one token off moves the logits by about 1 (measured).
+    # Measured here: 0.0098 with torch's GELU, 0.0126 with the fused GeGLU kernel (its exp is
+    # about 2 ulp where torch's tanh is 1), so the bound is 2e-2: still 50x below a window error.
     ids = long_prompt + outputs[-1].token_ids
-    torch.testing.assert_close(our_logits(llm, ids), hf_logits(hf, ids), atol=1e-2, rtol=1e-4)
+    torch.testing.assert_close(our_logits(llm, ids), hf_logits(hf, ids), atol=2e-2, rtol=1e-4)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -162,8 +162,8 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
         whole = meta.whole_prompt_prefills(SDPA_MIN_PROMPT, window)
         if whole:  # no window applies to them (it is 0, or longer than the prompt)
             _prefill_sdpa(q, kv_cache, meta, out, 0, whole)
-        rest = [i for i in meta.prefill_indices if i not in whole] if whole else None
-        if rest != []:
+        rest = [i for i in meta.prefill_indices if i not in whole]
+        if rest:
             starts, lens, seq_lens, tables = meta.prefill_tensors(rest)
             kernels.paged_prefill_attention(
                 q, kv_cache[0], kv_cache[1], out, starts, lens, seq_lens, tables, scale, window

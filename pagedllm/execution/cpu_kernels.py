@@ -46,6 +46,7 @@ _SIGNATURES = {
     "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F],
     "rope_write_kv": [_P] * 8 + [_I] * 4,
     "silu_mul": [_P] * 2 + [_I] * 2,
+    "gelu_tanh_mul": [_P] * 2 + [_I] * 2,
     "gemv": [_P] * 3 + [_I] * 3,  # bfloat16 only where built with AVX512-BF16: see `gemv_dtypes`
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -220,6 +221,14 @@ class CpuKernels:
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
         self._fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up for rows [gate | up] (Gemma's GeGLU)."""
+        _check(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._fn("gelu_tanh_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
         return out
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
@@ -79,8 +78,8 @@ class Gemma3DecoderLayer(DecoderLayer):
             q = q * self.q_scale
         attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
         residual.add_(gemma_rms_norm(attn, self.post_norm, eps))
-        gate, up = linears["gate_up_proj"](gemma_rms_norm(residual, self.pre_ffn_norm, eps)).chunk(2, dim=-1)
-        mlp = self.tp.all_reduce(linears["down_proj"](F.gelu(gate, approximate="tanh") * up))
+        gate_up = linears["gate_up_proj"](gemma_rms_norm(residual, self.pre_ffn_norm, eps))
+        mlp = self.tp.all_reduce(linears["down_proj"](ops.gelu_tanh_mul(gate_up)))
         return gemma_rms_norm(mlp, self.post_ffn_norm, eps)
 
 

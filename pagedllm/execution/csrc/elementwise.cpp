@@ -4,6 +4,7 @@
 //   rope_write_kv:  rotary embedding of q and k from the fused QKV output, k and v
 //                   written into the paged cache at their slots, q to its own buffer
 //   silu_mul:       out = silu(gate) * up from the fused gate/up output
+//   gelu_tanh_mul:  out = gelu_tanh(gate) * up, the same for Gemma's GeGLU
 // Rounding follows the model's dtype where Hugging Face's llama rounds (the residual
 // sum, the normalized row before the weight, silu before the product), so bfloat16
 // results match its numerics to the last bit except for the rotary products, which
@@ -82,6 +83,25 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
   }
 }
 
+// GELU's tanh form, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g + 0.044715 g^3), rounded to T
+// before the product as torch rounds F.gelu's output.  Computed as g / (1 + e^(-2u)), the same
+// value: 1 + tanh(u) written out cancels catastrophically for negative g.
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* o = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      o[i] = from_float<T>(round_to<T>(g / (1.f + fast_exp(-2.f * u))) * to_float(up[i]));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pagedllm
 
@@ -100,6 +120,9 @@ using pagedllm::bf16;
   }                                                                                                                \
   PAGEDLLM_API void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                      \
     pagedllm::silu_mul<T>(gate_up, out, rows, width);                                                              \
+  }                                                                                                                \
+  PAGEDLLM_API void gelu_tanh_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                 \
+    pagedllm::gelu_tanh_mul<T>(gate_up, out, rows, width);                                                         \
   }
 
 PAGEDLLM_ELEMENTWISE(f32, float)
