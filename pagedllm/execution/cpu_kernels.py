@@ -217,18 +217,17 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for rows [gate | up]."""
-        _check(gate_up)
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
-        return out
+        return self._gated("silu_mul", gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up for rows [gate | up] (Gemma's GeGLU)."""
+        return self._gated("gelu_tanh_mul", gate_up)
+
+    def _gated(self, name: str, gate_up: torch.Tensor) -> torch.Tensor:
         _check(gate_up)
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._fn("gelu_tanh_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
+        self._fn(name, gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
         return out
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -68,39 +68,33 @@ void rope_write_kv(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t
   }
 }
 
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
+// out = act(gate) * up for rows [gate | up], act's output rounded to T before the product as
+// torch rounds it.
+template <typename T, typename Act>
+void gated(const T* gate_up, T* out, int64_t rows, int64_t width, Act act) {
 #pragma omp parallel for if (rows * width >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * width;
     const T* up = gate + width;
     T* o = out + r * width;
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = to_float(gate[i]);
-      o[i] = from_float<T>(round_to<T>(g / (1.f + fast_exp(-g))) * to_float(up[i]));
-    }
+    for (int64_t i = 0; i < width; ++i) o[i] = from_float<T>(round_to<T>(act(to_float(gate[i]))) * to_float(up[i]));
   }
 }
 
-// GELU's tanh form, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g + 0.044715 g^3), rounded to T
-// before the product as torch rounds F.gelu's output.  Computed as g / (1 + e^(-2u)), the same
-// value: 1 + tanh(u) written out cancels catastrophically for negative g.
-template <typename T>
-void gelu_tanh_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
-#pragma omp parallel for if (rows * width >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = gate_up + r * 2 * width;
-    const T* up = gate + width;
-    T* o = out + r * width;
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = to_float(gate[i]);
-      const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      o[i] = from_float<T>(round_to<T>(g / (1.f + fast_exp(-2.f * u))) * to_float(up[i]));
-    }
+// Activations as types, so that `gated` inlines them into its vectorized loop.
+struct Silu {
+  float operator()(float g) const { return g / (1.f + fast_exp(-g)); }
+};
+
+// GELU's tanh form, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g + 0.044715 g^3), computed as
+// g / (1 + e^(-2u)), the same value: 1 + tanh(u) written out cancels catastrophically for negative g.
+struct GeluTanh {
+  float operator()(float g) const {
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.f + fast_exp(-2.f * u));
   }
-}
+};
 
 }  // namespace
 }  // namespace pagedllm
@@ -119,10 +113,10 @@ using pagedllm::bf16;
                                head_dim);                                                                          \
   }                                                                                                                \
   PAGEDLLM_API void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                      \
-    pagedllm::silu_mul<T>(gate_up, out, rows, width);                                                              \
+    pagedllm::gated<T>(gate_up, out, rows, width, pagedllm::Silu{});                                               \
   }                                                                                                                \
   PAGEDLLM_API void gelu_tanh_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                 \
-    pagedllm::gelu_tanh_mul<T>(gate_up, out, rows, width);                                                         \
+    pagedllm::gated<T>(gate_up, out, rows, width, pagedllm::GeluTanh{});                                           \
   }
 
 PAGEDLLM_ELEMENTWISE(f32, float)
