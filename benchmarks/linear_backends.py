@@ -4,10 +4,10 @@
 
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
 weight reordered once (`pagedllm/execution/linear.py`).  float32; GFLOP/s, the two
-backends interleaved round by round.  Then the small-batch GEMV against oneDNN
-at 1 and 2 rows over all of SmolLM2's projections in turn (30 layers, 406 MiB in
-float32, so every weight comes from memory as in a decode step): ms per pass
-and the weight bytes read per second.
+backends interleaved round by round.  Then the small-batch `packed_gemm`
+(csrc/small_gemm.cpp) against oneDNN at 1-64 rows over all of SmolLM2's
+projections in turn (30 layers, 406 MiB in float32, so every weight comes from
+memory as in a decode step): ms per pass, GFLOP/s, and the ratio.
 """
 
 from __future__ import annotations
@@ -43,32 +43,34 @@ def main() -> None:
             rate = {b: flops / statistics.median(t) / 1e9 for b, t in times.items()}
             ratio = rate["onednn"] / rate["torch"]
             print(f"{name:>8} {m:>6} {rate['torch']:>11.1f} {rate['onednn']:>12.1f} {ratio:>6.2f}")
-    gemv_against_onednn()
+    small_batch_against_onednn()
 
 
-def gemv_against_onednn(layers: int = 30, rounds: int = 8) -> None:
+def small_batch_against_onednn(layers: int = 30, rounds: int = 8) -> None:
     from pagedllm.execution.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    if kernels is None or torch.float32 not in kernels.gemv_dtypes:
-        print("no float32 GEMV kernel here")
+    if kernels is None:
+        print("no C++ kernels here")
         return
     weights = [torch.randn(SHAPES[name]) for _ in range(layers) for name in ("qkv", "o", "gate_up", "down")]
-    gemv = [Linear(w, "onednn", kernels) for w in weights]
+    packed = [kernels.pack_panels(w) for w in weights]
     onednn = [Linear(w, "onednn") for w in weights]
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    for m in (1, 2):
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"packed_gemm (engine uses it up to {kernels.packed_gemm_max_rows} rows) against oneDNN, all projections:")
+    for m in (1, 2, 4, 8, 16, 24, 32, 48, 64):
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
-        times: dict[str, list[float]] = {"gemv": [], "onednn": []}
+        times: dict[str, list[float]] = {"packed": [], "onednn": []}
         for _ in range(rounds):
-            for name, linears in (("gemv", gemv), ("onednn", onednn)):
+            for name in times:
                 start = time.perf_counter()
-                for w, linear in zip(weights, linears):
-                    linear(xs[w.shape[1]])
+                for i, w in enumerate(weights):
+                    x = xs[w.shape[1]]
+                    kernels.packed_gemm(x, packed[i], w.shape[0]) if name == "packed" else onednn[i](x)
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        rates = ", ".join(f"{name} {v:.1f} ms ({weight_bytes / v / 1e6:.1f} GB/s)" for name, v in ms.items())
-        print(f"{m} row(s), all projections: {rates}")
+        rates = ", ".join(f"{name} {v:6.1f} ms ({flops_per_row * m / v / 1e6:5.1f} GFLOP/s)" for name, v in ms.items())
+        print(f"{m:>3} rows: {rates}, oneDNN / packed {ms['onednn'] / ms['packed']:.2f}")
 
 
 if __name__ == "__main__":

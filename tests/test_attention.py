@@ -144,10 +144,11 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
-    assert torch.bfloat16 not in plain.gemv_dtypes and torch.float32 in plain.gemv_dtypes
-    if dtype == torch.float32:  # the small-batch GEMV's plain (or AVX-512F) loop
-        weight, x = torch.randn(37, 576), torch.randn(3, 576)
-        torch.testing.assert_close(plain.gemv(x, weight), x @ weight.t(), atol=1e-4, rtol=1e-4)
+    assert not plain.has_bf16_gemv
+    if dtype == torch.float32:  # the small-batch packed GEMM's plain (or AVX-512F) loop
+        weight, x = torch.randn(37, 576), torch.randn(7, 576)
+        y = plain.packed_gemm(x, plain.pack_panels(weight), 37)
+        torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
     monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for head_dim, window in ((64, 0), (128, 16), (256, 0)):

@@ -89,24 +89,43 @@ def test_select_ops() -> None:
         select_ops("cpp", torch.float16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 32, 33])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 50), (576, 1536), (32, 1)])
+def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, out_features: int, in_features: int):
+    from pagedllm.execution.linear import Linear
+
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    x = torch.randn(rows, in_features, generator=gen)
+    expected = x @ weight.t()
+    linear = Linear(weight, "onednn", cpp.small_batch)
+    assert linear.small_max_rows == cpp.small_batch.packed_gemm_max_rows in (4, 32)
+    torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
+    packed = cpp.small_batch.pack_panels(weight)
+    assert packed.shape == (-(-out_features // 32), in_features, 32)
+    torch.testing.assert_close(cpp.small_batch.packed_gemm(x, packed, out_features), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpp.small_batch.packed_gemm(x, packed, out_features + 32)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536)])
-def test_small_batch_gemv_and_the_linear_that_routes_to_it(
-    cpp: CppOps, dtype: torch.dtype, rows: int, out_features: int, in_features: int
-) -> None:
+def test_bfloat16_gemv_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int) -> None:
     from pagedllm.execution.linear import GEMV_MAX_ROWS, Linear
 
-    if cpp.gemv is None or dtype not in cpp.gemv.gemv_dtypes:
-        pytest.skip(f"the GEMV kernel does not run {dtype} on this CPU (bfloat16 needs AVX512-BF16)")
-    gen = torch.Generator().manual_seed(out_features + rows)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    expected = (x.float() @ weight.float().t()).to(dtype)
-    linear = Linear(weight, "onednn", cpp.gemv)
-    assert linear.plain is not None
-    # Accumulated in float32 either way (bfloat16: rounded once, one last-bit difference at most).
-    tol = {"atol": 1e-2, "rtol": 8e-3} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
-    torch.testing.assert_close(linear(x).float(), expected.float(), **tol)
-    if rows <= GEMV_MAX_ROWS:
-        torch.testing.assert_close(cpp.gemv.gemv(x, weight).float(), expected.float(), **tol)
+    if not cpp.small_batch.has_bf16_gemv:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            cpp.small_batch.gemv(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(4, 32, dtype=torch.bfloat16))
+        assert Linear(torch.ones(4, 32, dtype=torch.bfloat16), "torch", cpp.small_batch).small_weight is None
+        pytest.skip("the bfloat16 GEMV runs only where the CPU has AVX512-BF16")
+    for out_features, in_features in ((960, 576), (37, 64), (576, 1536)):
+        gen = torch.Generator().manual_seed(out_features + rows)
+        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        expected = (x.float() @ weight.float().t()).to(torch.bfloat16).float()
+        linear = Linear(weight, "onednn", cpp.small_batch)
+        assert linear.small_max_rows == GEMV_MAX_ROWS
+        # Accumulated in float32 either way (rounded to bfloat16 once: one last-bit difference at most).
+        tol = {"atol": 1e-2, "rtol": 8e-3}
+        torch.testing.assert_close(linear(x).float(), expected, **tol)
+        if rows <= GEMV_MAX_ROWS:
+            torch.testing.assert_close(cpp.small_batch.gemv(x, weight).float(), expected, **tol)

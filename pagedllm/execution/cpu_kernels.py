@@ -34,23 +34,26 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")
 _HEADERS = ("common.h", "avx512.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _COMPILER = os.environ.get("CXX", "g++")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "paged_decode_attention": [_P] * 7 + [_I] * 5 + [_F, _I, _I],
-    "paged_prefill_attention": [_P] * 8 + [_I] * 5 + [_F, _I, _I],
-    "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F],
-    "rope_write_kv": [_P] * 8 + [_I] * 4,
-    "silu_mul": [_P] * 2 + [_I] * 2,
-    "gelu_tanh_mul": [_P] * 2 + [_I] * 2,
-    "gemv": [_P] * 3 + [_I] * 3,  # bfloat16 only where built with AVX512-BF16: see `gemv_dtypes`
+_F32, _BF16 = (torch.float32,), (torch.bfloat16,)
+_SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symbol for)
+    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
+    "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
+    "add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], _F32 + _BF16),
+    "rope_write_kv": ([_P] * 8 + [_I] * 4, _F32 + _BF16),
+    "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
+    "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
+    "packed_gemm": ([_P] * 3 + [_I] * 3, _F32),
+    "gemv": ([_P] * 3 + [_I] * 3, _BF16),  # a no-op unless built with AVX512-BF16: see `has_bf16_gemv`
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-GEMV_K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}  # the inner size's step in csrc/gemv.cpp
+GEMV_K_MULTIPLE = 32  # the bfloat16 GEMV's step over the inner size (csrc/small_gemm.cpp)
+PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 
 
@@ -140,20 +143,20 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name, argtypes in _SIGNATURES.items():
-            for dtype, suffix in _SUFFIX.items():
-                fn = getattr(library, f"{name}_{suffix}")
+        for name, (argtypes, dtypes) in _SIGNATURES.items():
+            for dtype in dtypes:
+                fn = getattr(library, f"{name}_{_SUFFIX[dtype]}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
         library.gemv_available.restype = ctypes.c_int64
-        available = library.gemv_available()
-        # The dtypes the small-batch GEMV runs in this build (bfloat16 needs AVX512-BF16).
-        self.gemv_dtypes = frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if available & bit)
+        self.has_bf16_gemv = bool(library.gemv_available())  # built with AVX512-BF16
+        library.packed_gemm_max_rows.restype = ctypes.c_int64
+        self.packed_gemm_max_rows = library.packed_gemm_max_rows()  # where it beats oneDNN (measured)
 
     def _fn(self, name: str, dtype: torch.dtype):
         fn = self._fns.get((name, dtype))
         if fn is None:
-            raise TypeError(f"the CPU kernels run float32 and bfloat16, not {dtype}")
+            raise TypeError(f"the CPU kernel {name} has no {dtype} version")
         return fn
 
     def paged_decode_attention(
@@ -231,13 +234,35 @@ class CpuKernels:
         return out
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ weight[n, k]^T for a few rows, a dtype of `gemv_dtypes`, k a multiple of
-        GEMV_K_MULTIPLE[dtype] (see csrc/gemv.cpp)."""
+        """x [m, k] @ weight[n, k]^T in bfloat16 for one or two rows, k a multiple of
+        GEMV_K_MULTIPLE; only where `has_bf16_gemv` (see csrc/small_gemm.cpp)."""
+        if not self.has_bf16_gemv:
+            raise RuntimeError("the bfloat16 GEMV needs a build with AVX512-BF16")
         _check(x, weight)
         m, k = x.shape
         n = weight.shape[0]
         y = torch.empty(m, n, dtype=x.dtype)
         self._fn("gemv", x.dtype)(_ptr(x), _ptr(weight), _ptr(y), m, n, k)
+        return y
+
+    @staticmethod
+    def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+        """A float32 weight [n, k] as `packed_gemm` reads it: [ceil(n / PANEL), k, PANEL], each
+        panel's PANEL output columns side by side for every k (zero columns past n)."""
+        n, k = weight.shape
+        if n % PANEL:
+            weight = torch.cat([weight, weight.new_zeros(PANEL - n % PANEL, k)])
+        return weight.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+    def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x [m, k] @ W^T for float32 x and W [n, k] packed by `pack_panels`; any m, but faster than
+        oneDNN only up to `packed_gemm_max_rows` (see csrc/small_gemm.cpp)."""
+        _check(x, packed)
+        m, k = x.shape
+        if packed.shape != (-(-n // PANEL), k, PANEL):
+            raise ValueError(f"packed weight {tuple(packed.shape)} does not hold [{n}, {k}] in panels of {PANEL}")
+        y = torch.empty(m, n, dtype=x.dtype)
+        self._fn("packed_gemm", x.dtype)(_ptr(x), _ptr(packed), _ptr(y), m, n, k)
         return y
 
 

@@ -47,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class TorchOps:
     name = "torch"
-    gemv = None  # no small-batch GEMV kernel (see pagedllm/execution/linear.py)
+    small_batch = None  # no small-batch GEMM kernels (see pagedllm/execution/linear.py)
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -89,7 +89,7 @@ class CppOps:
 
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels = kernels
-        self.gemv = kernels if kernels.gemv_dtypes else None
+        self.small_batch = kernels
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

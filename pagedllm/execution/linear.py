@@ -9,12 +9,17 @@ measured 1.3-2x faster than `F.linear` on the model's shapes
 any number of rows.  Where oneDNN cannot take the dtype here (bfloat16 needs
 AVX-512 or AVX-NE-CONVERT), or `linear="torch"`, plain `F.linear` is used.
 
-A decode step of one or two requests is bound by reading the weights, and
-there oneDNN's per-call overhead showed: linears of at most `GEMV_MAX_ROWS`
-rows go to the C++ GEMV kernel (csrc/gemv.cpp) instead, which reads the plain
-weight once: float32 everywhere (AVX-512F or plain C++), bfloat16 with
-AVX512-BF16.  It keeps that plain copy beside the packed one (for SmolLM2,
-+203 MiB in bfloat16, +406 MiB in float32); `linear="onednn"` goes without.
+A decode step of a few requests is bound by reading the weights (or, at a few
+dozen rows, by FMAs that oneDNN's GEMM, tuned for many rows, leaves idle), so
+with a `small_batch` kernel library (a CpuKernels) such steps go to C++ kernels
+(csrc/small_gemm.cpp): float32 linears of at most `packed_gemm_max_rows` rows
+(32 with AVX-512, 4 for the plain C++ build) to `packed_gemm` on a copy of the
+weight packed in panels of 32 output columns,
+and bfloat16 linears of at most `GEMV_MAX_ROWS` rows to the GEMV on the plain
+weight where the CPU has AVX512-BF16.  That copy is kept beside oneDNN's (for
+SmolLM2, +406 MiB in float32, +203 MiB in bfloat16); `linear="onednn"` goes
+without.  Both limits were measured against oneDNN on SmolLM2's projections
+(`python benchmarks/linear_backends.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.cpu_kernels import GEMV_K_MULTIPLE
+from pagedllm.execution.cpu_kernels import GEMV_K_MULTIPLE, CpuKernels
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-GEMV_MAX_ROWS = 2
+GEMV_MAX_ROWS = 2  # bfloat16 steps up to here go to the GEMV (AVX512-BF16)
 
 
 @functools.cache
@@ -54,15 +59,22 @@ def resolve_linear_backend(name: str, dtype: torch.dtype) -> str:
 
 
 class Linear:
-    """x [tokens, in] -> [tokens, out] for a weight [out, in]; `gemv` (a CpuKernels, or None) takes
-    calls of at most GEMV_MAX_ROWS rows in the dtypes it runs."""
+    """x [tokens, in] -> [tokens, out] for a weight [out, in]; with `small_batch` (a CpuKernels, or
+    None) calls of a few rows go to its kernels where they run the dtype."""
 
-    def __init__(self, weight: torch.Tensor, backend: str, gemv=None) -> None:
+    def __init__(self, weight: torch.Tensor, backend: str, small_batch: CpuKernels | None = None) -> None:
         self.out_features = weight.shape[0]
-        self.plain: torch.Tensor | None = None  # the [out, in] weight the GEMV kernel reads
+        self.small_weight: torch.Tensor | None = None  # what the small-batch kernel reads
+        self.small_max_rows = 0
         dtype = weight.dtype
-        if gemv is not None and dtype in gemv.gemv_dtypes and weight.shape[1] % GEMV_K_MULTIPLE[dtype] == 0:
-            self.plain, self._gemv = weight.contiguous(), gemv.gemv
+        if small_batch is not None and dtype == torch.float32:
+            self.small_weight = small_batch.pack_panels(weight)
+            self.small_max_rows = small_batch.packed_gemm_max_rows
+            self._small = functools.partial(small_batch.packed_gemm, n=self.out_features)
+        elif small_batch is not None and dtype == torch.bfloat16 and small_batch.has_bf16_gemv:
+            if weight.shape[1] % GEMV_K_MULTIPLE == 0:
+                self.small_weight, self.small_max_rows = weight.contiguous(), GEMV_MAX_ROWS
+                self._small = small_batch.gemv
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 128)
             self._forward = self._onednn
@@ -71,8 +83,8 @@ class Linear:
             self._forward = self._torch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            return self._gemv(x.contiguous(), self.plain)
+        if x.shape[0] <= self.small_max_rows:
+            return self._small(x.contiguous(), self.small_weight)
         return self._forward(x)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:

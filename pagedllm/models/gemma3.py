@@ -95,7 +95,7 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
 
     def load_hf_weights(
-        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch_gemv: bool = True
+        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
     ) -> None:
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -105,7 +105,7 @@ class Gemma3Model(LlamaModel):
                     ("post_ffn_norm", "post_feedforward_layernorm"),
                 ):
                     getattr(layer, ours).copy_(self.take(weights, p + theirs + ".weight"))
-        super().load_hf_weights(weights, linear_backend, small_batch_gemv)
+        super().load_hf_weights(weights, linear_backend, small_batch)
         with torch.no_grad():  # every norm: (1 + w), in float32
             for layer in self.layers:
                 for name in ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm"):

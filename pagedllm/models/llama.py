@@ -56,14 +56,14 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
         self.linears: dict[str, Linear] = {}
 
-    def prepare_linears(self, backend: str, gemv=None) -> None:
-        """Build the projections from the loaded weights; a packed copy replaces the weight
-        (the plain one stays too where the small-batch GEMV kernel reads it)."""
+    def prepare_linears(self, backend: str, small_batch=None) -> None:
+        """Build the projections from the loaded weights; the Linear's copies (oneDNN's packed one,
+        and the small-batch kernels' where they run) replace the weight."""
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             param = getattr(self, name)
-            linear = self.linears[name] = Linear(param.data, backend, gemv)
-            if backend != "torch":  # the packed copy (and the GEMV's plain one) are what is used from now on
-                param.data = linear.plain if linear.plain is not None else torch.empty(0, dtype=param.dtype)
+            self.linears[name] = Linear(param.data, backend, small_batch)
+            if backend != "torch":  # the Linear holds what is read from now on
+                param.data = torch.empty(0, dtype=param.dtype)
 
     def forward(
         self,
@@ -138,11 +138,11 @@ class LlamaModel(nn.Module):
         self.lm_head_linear: Linear | None = None
 
     def load_hf_weights(
-        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch_gemv: bool = True
+        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
     ) -> None:
         """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
         build the projections with `linear_backend` (see pagedllm/execution/linear.py), with the
-        C++ GEMV for one- and two-row steps where `small_batch_gemv` and the CPU allow."""
+        C++ small-batch kernels for steps of a few rows where `small_batch` and the CPU allow."""
 
         def take(name: str) -> torch.Tensor:
             return self.take(weights, name)
@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
                     layer.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
                     layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
         for layer in self.layers:
-            layer.prepare_linears(linear_backend, self.ops.gemv if small_batch_gemv else None)
+            layer.prepare_linears(linear_backend, self.ops.small_batch if small_batch else None)
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
 
@@ -214,6 +214,8 @@ class LlamaModel(nn.Module):
         if self.lm_head_linear is not None:
             linears.append(self.lm_head_linear)
         tensors = [p.data for p in self.parameters()] + [linear.weight for linear in linears]
-        # A plain Linear shares its parameter's storage; a packed (oneDNN) weight is a copy of its own.
+        tensors += [linear.small_weight for linear in linears if linear.small_weight is not None]
+        # A plain Linear shares its parameter's storage; packed weights (oneDNN's, the small-batch
+        # kernels') are copies of their own.
         distinct = {id(t) if t.is_mkldnn else t.data_ptr(): t for t in tensors if t.numel()}
         return sum(t.numel() * t.element_size() for t in distinct.values())
