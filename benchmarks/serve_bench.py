@@ -49,14 +49,15 @@ from pagedllm.cli_args import add_engine_args, engine_config  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.execution.cpu_kernels import cpu_summary  # noqa: E402
 from pagedllm.execution.rank_model import resolve_dtype  # noqa: E402
+from pagedllm.models.loader import BUNDLED_MODELS  # noqa: E402
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, dtype: str, max_model_len: int):
-    """vLLM's OpenAI server (tuned) on a free port, serving the bundled model as 'default'; yields
+def vllm_server(python: str, model: str, dtype: str, max_model_len: int):
+    """vLLM's OpenAI server (tuned) on a free port, serving a bundled model as 'default'; yields
     its /v1 base URL once /v1/models answers, and stops it on exit."""
     port = free_port()
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_directory())]
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_directory(model))]
     command += ["--served-model-name", "default", "--dtype", dtype, "--max-model-len", str(max_model_len)]
     command += ["--port", str(port), "--host", "127.0.0.1", "--seed", "0"]
     process = subprocess.Popen(command, env=vllm_env(python, tuned=True))
@@ -82,7 +83,9 @@ def vllm_server(python: str, dtype: str, max_model_len: int):
 def engine_flags(config: EngineConfig) -> list[str]:
     """The `pagedllm serve` flags that give the same engine as `config`."""
     flags = ["--dtype", config.dtype, "--block-size", str(config.block_size), "--kv-layout", config.kv_layout]
-    flags += ["--kv-cache-memory", str(config.kv_cache_memory), "--attention", config.attention]
+    flags += ["--attention", config.attention, "--linear", config.linear]
+    if config.kv_cache_memory is not None:
+        flags += ["--kv-cache-memory", str(config.kv_cache_memory)]
     flags += [
         "--max-num-batched-tokens",
         str(config.max_num_batched_tokens),
@@ -140,8 +143,12 @@ def main() -> int:
     dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
     result["engine"] = {"dtype": dtype, "block_size": config.block_size, "kv_cache_memory": args.kv_cache_memory}
     if args.vllm_python:
+        model = config.model or "smollm2"
+        if model not in BUNDLED_MODELS:
+            raise SystemExit(f"--vllm-python serves a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not {model}")
+        print_result(result, args.output)  # pagedllm's half, kept should vLLM fail
         gc.collect()
-        with vllm_server(args.vllm_python, dtype, config.max_model_len or 8192) as url:
+        with vllm_server(args.vllm_python, model, dtype, config.max_model_len or 8192) as url:
             result["vllm_served"] = asyncio.run(replay(url, requests, args.request_rate, args.seed, "default"))
         ours, theirs = result["served"], result["vllm_served"]
         for key in ("itl_p50_s", "itl_p99_s", "e2el_p50_s", "e2el_p99_s", "ttft_p50_s"):
