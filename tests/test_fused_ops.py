@@ -106,6 +106,7 @@ def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, ou
     torch.testing.assert_close(cpp.small_batch.packed_gemm(x, packed, out_features), expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="does not hold"):
         cpp.small_batch.packed_gemm(x, packed, out_features + 32)
+    assert linear(x[:0]).shape == (0, out_features)  # an empty call returns an empty result
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])

@@ -114,6 +114,7 @@ inline void panel_rows(const float* x, int64_t rows, int64_t k, const float* pan
 }
 
 void packed_gemm(const float* x, const float* packed, float* y, int64_t m, int64_t n, int64_t k) {
+  if (m == 0) return;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (m + kPanelRows - 1) / kPanelRows, step = (m + tiles - 1) / tiles;  // even row tiles
 #pragma omp parallel for schedule(static) if (m * n * k >= (1 << 16))
