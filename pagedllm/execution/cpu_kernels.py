@@ -257,7 +257,7 @@ class CpuKernels:
         n, k = weight.shape
         if n % PANEL:
             weight = torch.cat([weight, weight.new_zeros(PANEL - n % PANEL, k)])
-        return weight.view(-1, PANEL, k).transpose(1, 2).contiguous()
+        return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
     def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x [m, k] @ W^T for float32 x and W [n, k] packed by `pack_panels`; any m, but faster than
