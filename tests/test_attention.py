@@ -103,6 +103,14 @@ def test_cpp_kernel_builds_here():
     assert load_cpu_kernels() is not None, "the C++ kernels should build on this machine (g++)"
 
 
+def test_cpp_kernels_refuse_more_heads_than_they_hold():
+    from pagedllm.execution.cpu_kernels import ATTENTION_MAX_HEADS
+
+    q, cache, meta, _ = make_batch(2, 16, 1, ATTENTION_MAX_HEADS + 1, 64, [(3, 1)])
+    with pytest.raises(ValueError, match=f"at most {ATTENTION_MAX_HEADS} heads"):
+        cpp_attention(q, cache, meta)
+
+
 @pytest.mark.parametrize("attention", FAST_PATHS)
 @pytest.mark.parametrize("head_dim", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

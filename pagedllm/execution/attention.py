@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
+from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, ATTENTION_MAX_HEADS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
@@ -192,16 +192,18 @@ def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cp
         return reference_attention
     if name == "torch":
         return torch_attention
-    fits = head_dim in ATTENTION_HEAD_DIMS and num_heads <= 64
+    fits = head_dim in ATTENTION_HEAD_DIMS and num_heads <= ATTENTION_MAX_HEADS
     if name == "cpp" and not fits:
         raise ValueError(
-            f"attention='cpp' needs head_dim {ATTENTION_HEAD_DIMS} and at most 64 heads, not {head_dim} and {num_heads}"
+            f"attention='cpp' needs head_dim {ATTENTION_HEAD_DIMS} and at most {ATTENTION_MAX_HEADS} heads, "
+            f"not {head_dim} and {num_heads}"
         )
     if not fits:
         logger.warning(
-            "attention: the C++ kernels take head_dim %s and at most 64 heads (this model: %d and %d); "
+            "attention: the C++ kernels take head_dim %s and at most %d heads (this model: %d and %d); "
             "using the slower pure-torch path",
             ATTENTION_HEAD_DIMS,
+            ATTENTION_MAX_HEADS,
             head_dim,
             num_heads,
         )

@@ -22,22 +22,9 @@
 namespace pagedllm {
 namespace {
 
+#if defined(__AVX512BF16__)
 constexpr int64_t kRows = 16;  // output rows per tile
 
-// Each tile of kRows output rows is one work item; a short last tile repeats its last row.
-template <typename T, typename Tile>
-void gemv_tiles(const T* w, int64_t n, int64_t k, Tile tile_fn) {
-  const int64_t tiles = (n + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t n0 = tile * kRows, rows = std::min(kRows, n - n0);
-    const T* wrow[kRows];
-    for (int64_t i = 0; i < kRows; ++i) wrow[i] = w + (n0 + std::min(i, rows - 1)) * k;
-    tile_fn(wrow, n0, rows);
-  }
-}
-
-#if defined(__AVX512BF16__)
 // Rounds 16 floats to bfloat16 (nearest even) and stores them.
 inline void store_bf16(bf16* dst, __m512 v, int64_t n) {
   const __m256bh packed = _mm512_cvtneps_pbh(v);
@@ -45,9 +32,15 @@ inline void store_bf16(bf16* dst, __m512 v, int64_t n) {
   _mm256_mask_storeu_epi16(dst, mask, reinterpret_cast<const __m256i&>(packed));
 }
 
-// K is a multiple of 32 (checked by the caller); N any.
+// K is a multiple of 32 (checked by the caller); N any.  Each tile of kRows output rows is
+// one work item; a short last tile repeats its last row.
 void gemv(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k) {
-  gemv_tiles(w, n, k, [&](const bf16* const* wrow, int64_t n0, int64_t rows) {
+  const int64_t tiles = (n + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 16))
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t n0 = tile * kRows, rows = std::min(kRows, n - n0);
+    const bf16* wrow[kRows];
+    for (int64_t i = 0; i < kRows; ++i) wrow[i] = w + (n0 + std::min(i, rows - 1)) * k;
     for (int64_t r = 0; r < m; ++r) {
       const bf16* xr = x + r * k;
       __m512 acc[kRows];
@@ -59,7 +52,7 @@ void gemv(const bf16* x, const bf16* w, bf16* y, int64_t m, int64_t n, int64_t k
       }
       store_bf16(y + r * n + n0, hsum16(acc), rows);
     }
-  });
+  }
 }
 #endif
 
