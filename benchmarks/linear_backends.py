@@ -5,9 +5,10 @@
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
 weight reordered once (`pagedllm/execution/linear.py`).  float32; GFLOP/s, the two
 backends interleaved round by round.  Then the small-batch `packed_gemm`
-(csrc/small_gemm.cpp) against oneDNN at 1-64 rows over all of SmolLM2's
-projections in turn (30 layers, 406 MiB in float32, so every weight comes from
-memory as in a decode step): ms per pass, GFLOP/s, and the ratio.
+(csrc/small_gemm.cpp) against oneDNN at 1-128 rows over all of SmolLM2's
+projections in turn (30 layers, 406 MiB in float32, 203 MiB in bfloat16, so
+every weight comes from memory as in a decode step): ms per pass, GFLOP/s, and
+the ratio; in float32, and in bfloat16 where the CPU has AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -43,23 +44,29 @@ def main() -> None:
             rate = {b: flops / statistics.median(t) / 1e9 for b, t in times.items()}
             ratio = rate["onednn"] / rate["torch"]
             print(f"{name:>8} {m:>6} {rate['torch']:>11.1f} {rate['onednn']:>12.1f} {ratio:>6.2f}")
-    small_batch_against_onednn()
+    for dtype in (torch.float32, torch.bfloat16):
+        small_batch_against_onednn(dtype)
 
 
-def small_batch_against_onednn(layers: int = 30, rounds: int = 8) -> None:
-    from pagedllm.execution.cpu_kernels import load_cpu_kernels
+def small_batch_against_onednn(dtype: torch.dtype, layers: int = 30, rounds: int = 8) -> None:
+    from pagedllm.execution.cpu_kernels import cpu_summary, load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None:
         print("no C++ kernels here")
         return
-    weights = [torch.randn(SHAPES[name]) for _ in range(layers) for name in ("qkv", "o", "gate_up", "down")]
+    max_rows = kernels.packed_gemm_max_rows[dtype]
+    if not max_rows or not onednn_supports(dtype):
+        print(f"no {dtype} packed_gemm or oneDNN on this CPU ({cpu_summary()})")
+        return
+    names = ("qkv", "o", "gate_up", "down")
+    weights = [torch.randn(SHAPES[name]).to(dtype) for _ in range(layers) for name in names]
     packed = [kernels.pack_panels(w) for w in weights]
     onednn = [Linear(w, "onednn") for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
-    print(f"packed_gemm (engine uses it up to {kernels.packed_gemm_max_rows} rows) against oneDNN, all projections:")
-    for m in (1, 2, 4, 8, 16, 24, 32, 48, 64):
-        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
+    print(f"{dtype} packed_gemm (the engine's up to {max_rows} rows) against oneDNN, all projections, {cpu_summary()}:")
+    for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        xs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for w in weights}}
         times: dict[str, list[float]] = {"packed": [], "onednn": []}
         for _ in range(rounds):
             for name in times:

@@ -99,7 +99,7 @@ def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, ou
     x = torch.randn(rows, in_features, generator=gen)
     expected = x @ weight.t()
     linear = Linear(weight, "onednn", cpp.small_batch)
-    assert linear.small_max_rows == cpp.small_batch.packed_gemm_max_rows in (4, 32)
+    assert linear.small_max_rows == cpp.small_batch.packed_gemm_max_rows[torch.float32] in (4, 32)
     torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
     packed = cpp.small_batch.pack_panels(weight)
     assert packed.shape == (-(-out_features // 32), in_features, 32)
@@ -109,24 +109,33 @@ def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, ou
     assert linear(x[:0]).shape == (0, out_features)  # an empty call returns an empty result
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_bfloat16_gemv_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int) -> None:
-    from pagedllm.execution.linear import GEMV_MAX_ROWS, Linear
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 32, 33, 300])  # 300: past the limit, to oneDNN
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536), (33, 2)])
+def test_bfloat16_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, out_features, in_features):
+    from pagedllm.execution.linear import Linear
 
-    if not cpp.small_batch.has_bf16_gemv:
+    kernels = cpp.small_batch
+    if not kernels.packed_gemm_max_rows[torch.bfloat16]:
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            cpp.small_batch.gemv(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(4, 32, dtype=torch.bfloat16))
-        assert Linear(torch.ones(4, 32, dtype=torch.bfloat16), "torch", cpp.small_batch).small_weight is None
-        pytest.skip("the bfloat16 GEMV runs only where the CPU has AVX512-BF16")
-    for out_features, in_features in ((960, 576), (37, 64), (576, 1536)):
-        gen = torch.Generator().manual_seed(out_features + rows)
-        weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
-        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-        expected = (x.float() @ weight.float().t()).to(torch.bfloat16).float()
-        linear = Linear(weight, "onednn", cpp.small_batch)
-        assert linear.small_max_rows == GEMV_MAX_ROWS
-        # Accumulated in float32 either way (rounded to bfloat16 once: one last-bit difference at most).
-        tol = {"atol": 1e-2, "rtol": 8e-3}
-        torch.testing.assert_close(linear(x).float(), expected, **tol)
-        if rows <= GEMV_MAX_ROWS:
-            torch.testing.assert_close(cpp.small_batch.gemv(x, weight).float(), expected, **tol)
+            kernels.packed_gemm(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(1, 16, 64, dtype=torch.bfloat16), 4)
+        assert Linear(torch.ones(4, 32, dtype=torch.bfloat16), "torch", kernels).small_weight is None
+        pytest.skip("the bfloat16 packed GEMM runs only where the CPU has AVX512-BF16")
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    expected = (x.float() @ weight.float().t()).to(torch.bfloat16).float()
+    linear = Linear(weight, "onednn", kernels)
+    assert linear.small_max_rows == kernels.packed_gemm_max_rows[torch.bfloat16] == 256
+    # Accumulated in float32 either way (rounded to bfloat16 once: one last-bit difference at most).
+    tol = {"atol": 1e-2, "rtol": 8e-3}
+    torch.testing.assert_close(linear(x).float(), expected, **tol)
+    packed = kernels.pack_panels(weight)
+    assert packed.shape == (-(-out_features // 32), in_features // 2, 64)
+    torch.testing.assert_close(kernels.packed_gemm(x, packed, out_features).float(), expected, **tol)
+    with pytest.raises(ValueError, match="does not hold"):
+        kernels.packed_gemm(x, packed.float(), out_features)
+    assert linear(x[:0]).shape == (0, out_features)
+    with pytest.raises(ValueError, match="even inner size"):
+        kernels.pack_panels(torch.ones(4, 5, dtype=torch.bfloat16))
+    # An odd inner size stays with oneDNN.
+    assert Linear(torch.ones(4, 5, dtype=torch.bfloat16), "onednn", kernels).small_weight is None

@@ -53,11 +53,10 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "rope_write_kv": ([_P] * 8 + [_I] * 4, _F32 + _BF16),
     "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
-    "packed_gemm": ([_P] * 3 + [_I] * 3, _F32),
-    "gemv": ([_P] * 3 + [_I] * 3, _BF16),  # a no-op unless built with AVX512-BF16: see `has_bf16_gemv`
+    # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
+    "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-GEMV_K_MULTIPLE = 32  # the bfloat16 GEMV's step over the inner size (csrc/small_gemm.cpp)
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 ATTENTION_MAX_HEADS = 64  # the decode kernel keeps a tile's partial scores for this many query heads
@@ -157,10 +156,13 @@ class CpuKernels:
                 fn = getattr(library, f"{name}_{_SUFFIX[dtype]}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
-        library.gemv_available.restype = ctypes.c_int64
-        self.has_bf16_gemv = bool(library.gemv_available())  # built with AVX512-BF16
-        library.packed_gemm_max_rows.restype = ctypes.c_int64
-        self.packed_gemm_max_rows = library.packed_gemm_max_rows()  # where it beats oneDNN (measured)
+        # Up to how many rows each dtype goes to `packed_gemm` (where it beats oneDNN, measured);
+        # 0 for bfloat16 where the build has no AVX512-BF16.
+        self.packed_gemm_max_rows: dict[torch.dtype, int] = {}
+        for dtype in _F32 + _BF16:
+            fn = getattr(library, f"packed_gemm_max_rows_{_SUFFIX[dtype]}")
+            fn.restype = ctypes.c_int64
+            self.packed_gemm_max_rows[dtype] = fn()
 
     def _fn(self, name: str, dtype: torch.dtype):
         fn = self._fns.get((name, dtype))
@@ -242,34 +244,34 @@ class CpuKernels:
         self._fn(name, gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
         return out
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ weight[n, k]^T in bfloat16 for one or two rows, k a multiple of
-        GEMV_K_MULTIPLE; only where `has_bf16_gemv` (see csrc/small_gemm.cpp)."""
-        if not self.has_bf16_gemv:
-            raise RuntimeError("the bfloat16 GEMV needs a build with AVX512-BF16")
-        _check(x, weight)
-        m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty(m, n, dtype=x.dtype)
-        self._fn("gemv", x.dtype)(_ptr(x), _ptr(weight), _ptr(y), m, n, k)
-        return y
-
     @staticmethod
     def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-        """A float32 weight [n, k] as `packed_gemm` reads it: [ceil(n / PANEL), k, PANEL], each
-        panel's PANEL output columns side by side for every k (zero columns past n)."""
+        """A weight [n, k] as `packed_gemm` reads it: [ceil(n / PANEL), k / s, PANEL * s] with s = 1
+        for float32 and 2 for bfloat16 (k even): per panel and step of s k values, the PANEL output
+        columns side by side, each column's s values together (zero columns past n)."""
         n, k = weight.shape
+        step = 2 if weight.dtype == torch.bfloat16 else 1
+        if k % step:
+            raise ValueError(f"a bfloat16 weight packs only with an even inner size, got {k}")
         if n % PANEL:
             weight = torch.cat([weight, weight.new_zeros(PANEL - n % PANEL, k)])
-        return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+        packed = weight.reshape(-1, PANEL, k // step, step).permute(0, 2, 1, 3)
+        return packed.reshape(-1, k // step, PANEL * step).contiguous()
 
     def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """x [m, k] @ W^T for float32 x and W [n, k] packed by `pack_panels`; any m, but faster than
-        oneDNN only up to `packed_gemm_max_rows` (see csrc/small_gemm.cpp)."""
+        """x [m, k] @ W^T for x and W [n, k] packed by `pack_panels` (float32, or bfloat16 where the
+        build has AVX512-BF16); any m, but faster than oneDNN only up to `packed_gemm_max_rows`
+        (see csrc/small_gemm.cpp)."""
         _check(x, packed)
         m, k = x.shape
-        if packed.shape != (-(-n // PANEL), k, PANEL):
-            raise ValueError(f"packed weight {tuple(packed.shape)} does not hold [{n}, {k}] in panels of {PANEL}")
+        step = 2 if x.dtype == torch.bfloat16 else 1
+        if not self.packed_gemm_max_rows.get(x.dtype):
+            raise RuntimeError(f"packed_gemm has no {x.dtype} version in this build (bfloat16 needs AVX512-BF16)")
+        if packed.dtype != x.dtype or packed.shape != (-(-n // PANEL), k // step, PANEL * step) or k % step:
+            raise ValueError(
+                f"packed {packed.dtype} weight {tuple(packed.shape)} does not hold [{n}, {k}] {x.dtype} "
+                f"in panels of {PANEL}"
+            )
         y = torch.empty(m, n, dtype=x.dtype)
         self._fn("packed_gemm", x.dtype)(_ptr(x), _ptr(packed), _ptr(y), m, n, k)
         return y

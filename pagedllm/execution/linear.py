@@ -11,14 +11,13 @@ AVX-512 or AVX-NE-CONVERT), or `linear="torch"`, plain `F.linear` is used.
 
 A decode step of a few requests is bound by reading the weights (or, at a few
 dozen rows, by FMAs that oneDNN's GEMM, tuned for many rows, leaves idle), so
-with a `small_batch` kernel library (a CpuKernels) such steps go to C++ kernels
-(csrc/small_gemm.cpp): float32 linears of at most `packed_gemm_max_rows` rows
-(32 with AVX-512, 4 for the plain C++ build) to `packed_gemm` on a copy of the
-weight packed in panels of 32 output columns,
-and bfloat16 linears of at most `GEMV_MAX_ROWS` rows to the GEMV on the plain
-weight where the CPU has AVX512-BF16.  That copy is kept beside oneDNN's (for
-SmolLM2, +406 MiB in float32, +203 MiB in bfloat16); `linear="onednn"` goes
-without.  Both limits were measured against oneDNN on SmolLM2's projections
+with a `small_batch` kernel library (a CpuKernels) such steps go to the C++
+`packed_gemm` (csrc/small_gemm.cpp) on a copy of the weight packed in panels of
+32 output columns: float32 linears of at most `packed_gemm_max_rows` rows (32
+with AVX-512, 4 for the plain C++ build), and bfloat16 ones (even inner size)
+where the CPU has AVX512-BF16.  That copy is kept beside oneDNN's (for SmolLM2,
++406 MiB in float32, +203 MiB in bfloat16); `linear="onednn"` goes without.
+The limits were measured against oneDNN on SmolLM2's projections
 (`python benchmarks/linear_backends.py`).
 """
 
@@ -29,10 +28,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.cpu_kernels import GEMV_K_MULTIPLE, CpuKernels
+from pagedllm.execution.cpu_kernels import CpuKernels
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-GEMV_MAX_ROWS = 2  # bfloat16 steps up to here go to the GEMV (AVX512-BF16)
 
 
 @functools.cache
@@ -64,17 +62,13 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, backend: str, small_batch: CpuKernels | None = None) -> None:
         self.out_features = weight.shape[0]
-        self.small_weight: torch.Tensor | None = None  # what the small-batch kernel reads
+        self.small_weight: torch.Tensor | None = None  # the packed copy the small-batch kernel reads
         self.small_max_rows = 0
-        dtype = weight.dtype
-        if small_batch is not None and dtype == torch.float32:
-            self.small_weight = small_batch.pack_panels(weight)
-            self.small_max_rows = small_batch.packed_gemm_max_rows
+        max_rows = 0 if small_batch is None else small_batch.packed_gemm_max_rows.get(weight.dtype, 0)
+        pairs_fit = weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0  # bfloat16 packs k in pairs
+        if max_rows and pairs_fit:
+            self.small_weight, self.small_max_rows = small_batch.pack_panels(weight), max_rows
             self._small = functools.partial(small_batch.packed_gemm, n=self.out_features)
-        elif small_batch is not None and dtype == torch.bfloat16 and small_batch.has_bf16_gemv:
-            if weight.shape[1] % GEMV_K_MULTIPLE == 0:
-                self.small_weight, self.small_max_rows = weight.contiguous(), GEMV_MAX_ROWS
-                self._small = small_batch.gemv
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 128)
             self._forward = self._onednn

@@ -122,7 +122,8 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
     with torch.device(device):  # parameters and rotary tables are created on the device
         model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
-    # linear=auto adds the small-batch GEMV (and its plain weight copy) where it runs; a named backend is used alone.
+    # linear=auto adds the small-batch packed GEMM (and its packed weight copy) where it runs; a named
+    # backend is used alone.
     model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
     del weights
     return_freed_memory()

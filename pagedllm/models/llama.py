@@ -167,10 +167,12 @@ class LlamaModel(nn.Module):
                 if layer.q_norm is not None:
                     layer.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
                     layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
+        kernels = self.ops.small_batch if small_batch else None
         for layer in self.layers:
-            layer.prepare_linears(linear_backend, self.ops.small_batch if small_batch else None)
-        # The LM head keeps its weight (tied to the embedding table in SmolLM2).
-        self.lm_head_linear = Linear(self.lm_head.data, linear_backend)
+            layer.prepare_linears(linear_backend, kernels)
+        # The LM head keeps its weight (tied to the embedding table in SmolLM2); it runs on the
+        # sampled rows only, so a decode step's few rows go to the small-batch kernel too.
+        self.lm_head_linear = Linear(self.lm_head.data, linear_backend, kernels)
 
     @staticmethod
     def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
