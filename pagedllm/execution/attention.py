@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, ATTENTION_MAX_HEADS, load_cpu_kernels
+from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
@@ -181,9 +181,9 @@ def triton_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     return kernel(q, kv_cache, meta, window)
 
 
-def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cpu"):
+def select_attention(name: str, head_dim: int, device: str = "cpu"):
     """auto: on CUDA the Triton kernel; on the CPU the C++ kernels where they apply (head_dim 64,
-    128 or 256, at most 64 heads) and build, else pure torch, with a warning saying why."""
+    128 or 256) and build, else pure torch, with a warning saying why."""
     if name == "triton" or (name == "auto" and device.startswith("cuda")):
         return triton_attention
     if device.startswith("cuda"):
@@ -192,20 +192,14 @@ def select_attention(name: str, head_dim: int, num_heads: int, device: str = "cp
         return reference_attention
     if name == "torch":
         return torch_attention
-    fits = head_dim in ATTENTION_HEAD_DIMS and num_heads <= ATTENTION_MAX_HEADS
+    fits = head_dim in ATTENTION_HEAD_DIMS
     if name == "cpp" and not fits:
-        raise ValueError(
-            f"attention='cpp' needs head_dim {ATTENTION_HEAD_DIMS} and at most {ATTENTION_MAX_HEADS} heads, "
-            f"not {head_dim} and {num_heads}"
-        )
+        raise ValueError(f"attention='cpp' needs head_dim {ATTENTION_HEAD_DIMS}, not {head_dim}")
     if not fits:
         logger.warning(
-            "attention: the C++ kernels take head_dim %s and at most %d heads (this model: %d and %d); "
-            "using the slower pure-torch path",
+            "attention: the C++ kernels take head_dim %s (this model: %d); using the slower pure-torch path",
             ATTENTION_HEAD_DIMS,
-            ATTENTION_MAX_HEADS,
             head_dim,
-            num_heads,
         )
         return torch_attention
     if load_cpu_kernels() is not None:

@@ -59,15 +59,12 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
-ATTENTION_MAX_HEADS = 64  # the decode kernel keeps a tile's partial scores for this many query heads
 
 
 def _head_dim(q: torch.Tensor) -> int:
-    """q [tokens, heads, head_dim]'s head_dim, checked (with the head count) against what the kernels take."""
+    """q [tokens, heads, head_dim]'s head_dim, checked against what the kernels take."""
     if q.shape[-1] not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"the C++ attention kernels take head_dim {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}")
-    if q.shape[1] > ATTENTION_MAX_HEADS:
-        raise ValueError(f"the C++ attention kernels take at most {ATTENTION_MAX_HEADS} heads, got {q.shape[1]}")
     return q.shape[-1]
 
 

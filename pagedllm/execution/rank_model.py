@@ -116,7 +116,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
     shard = ShardLayout.for_rank(model_config, tp)
 
-    attention = select_attention(config.attention, model_config.head_dim, shard.num_heads, device)
+    attention = select_attention(config.attention, model_config.head_dim, device)
     # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
