@@ -12,10 +12,12 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
   matmuls, each group padded only to its own longest member.
 - `cpp_attention`: C++/OpenMP kernels that read K/V in place through the block
   tables (no gather, no padding): one for prefill chunks (exact softmax over
-  key tiles, causal), one for decodes.  A whole prompt of at least
+  key tiles, causal), one for decodes.  In float32 (and in bfloat16 without
+  AVX512-BF16, where the kernel computes in float32) a whole prompt of at least
   SDPA_MIN_PROMPT tokens (no cached context) goes to SDPA instead: at long
   context torch's flash attention measured faster than the C++ prefill kernel
-  (docs/performance.md).
+  there, where in bfloat16 with AVX512-BF16 the kernel measured ~2x faster
+  than SDPA up to 4,096 tokens (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
-# Whole prompts at least this long run through SDPA in `cpp_attention` (see docs/performance.md).
+# Whole float32 prompts at least this long run through SDPA in `cpp_attention` (docs/performance.md).
 SDPA_MIN_PROMPT = 1024
 
 
@@ -152,14 +154,15 @@ def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
     """Prefill chunks and decodes both read K/V in place through the block tables (C++ kernels),
-    except whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts: torch's SDPA
-    (flash attention, causal) on their gathered K/V."""
+    except whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts where the kernels
+    compute in float32: torch's SDPA (flash attention, causal) on their gathered K/V."""
     kernels = load_cpu_kernels()
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if meta.prefill_indices:
-        whole = meta.whole_prompt_prefills(SDPA_MIN_PROMPT, window)
+        native = q.dtype == torch.bfloat16 and kernels.native_bf16  # the kernel beats SDPA at every length
+        whole = [] if native else meta.whole_prompt_prefills(SDPA_MIN_PROMPT, window)
         if whole:  # no window applies to them (it is 0, or longer than the prompt)
             _prefill_sdpa(q, kv_cache, meta, out, 0, whole)
         rest = [i for i in meta.prefill_indices if i not in whole]

@@ -160,6 +160,8 @@ class CpuKernels:
             fn = getattr(library, f"packed_gemm_max_rows_{_SUFFIX[dtype]}")
             fn.restype = ctypes.c_int64
             self.packed_gemm_max_rows[dtype] = fn()
+        # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
+        self.native_bf16 = self.packed_gemm_max_rows[torch.bfloat16] > 0
 
     def _fn(self, name: str, dtype: torch.dtype):
         fn = self._fns.get((name, dtype))

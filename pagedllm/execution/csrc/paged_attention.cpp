@@ -490,58 +490,24 @@ inline void load_tile(const T* cache, const int64_t* table, int64_t k0, int64_t 
   }
 }
 
-template <int64_t D, typename T>
-void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
-                  int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
-                  int64_t group, int64_t h, float scale, std::vector<float>& buf) {
-  const int64_t heads = kv_heads * group, rows = num_tokens * group;
-  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
-  // Keys k_lo .. first_pos + num_tokens - 1: the first row's window starts at k_lo and the
-  // last token sees every key before it.  Key indices below are relative to k_lo.
-  const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const int64_t num_keys = first_pos + num_tokens - k_lo;
-  const int64_t width = (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
-  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile + width * D);
-  float* Q = buf.data();              // [padded][D], pre-scaled; padding rows are zero
-  float* acc = Q + padded * D;        // [padded][D]
-  float* inv_sum = acc + padded * D;  // [padded]
-  float* S = inv_sum + padded;        // [padded][width] scores, then probabilities
-  float* tile = S + padded * width;   // [D][kKeyTile]: a K tile, transposed
-  std::fill(Q, Q + padded * D, 0.f);
-  for (int64_t t = 0; t < num_tokens; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = q + (row0 + t) * heads * D + (h * group + g) * D;
-      float* dst = Q + (t * group + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
-    }
-  // Keys a block of rows can see: up to its last row's position (relative to k_lo).
-  auto block_keys = [&](int64_t r0) {
+// The rows of one prefill item: `rows` real ones (token t, query head g at t * group + g),
+// zero-padded to `padded`; visible keys k_lo .. first_pos + num_tokens - 1, indexed from k_lo.
+struct PrefillRows {
+  int64_t rows, padded, group, first_pos, k_lo, num_keys, width, window;
+  // Keys a block of rows starting at r0 can see: up to its last row's position.
+  int64_t block_keys(int64_t r0) const {
     return first_pos + std::min(r0 + kRowBlock - 1, rows - 1) / group + 1 - k_lo;
-  };
-
-  // 1. scores
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-    load_tile<D>(k_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, tile, true);
-    for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-      if (k0 >= block_keys(r0)) continue;  // wholly in the causal future of these rows
-      float s[kRowBlock][kKeyTile] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float* kd = tile + d * kKeyTile;
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          const float qd = Q[(r0 + rr) * D + d];
-#pragma omp simd
-          for (int64_t i = 0; i < kKeyTile; ++i) s[rr][i] += qd * kd[i];
-        }
-      }
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy(s[rr], s[rr] + kKeyTile, S + (r0 + rr) * width + k0);
-    }
   }
-  // 2. softmax over each row's visible keys [lo, hi); the rest of the row becomes 0
-  for (int64_t r = 0; r < padded; ++r) {
-    float* s = S + r * width;
-    const int64_t pos = first_pos + r / group;  // this row's position
-    const int64_t hi = r < rows ? pos + 1 - k_lo : 0;
-    const int64_t lo = r < rows && window > 0 ? std::max<int64_t>(0, pos - window + 1 - k_lo) : 0;
+};
+
+// In place: each row of S [padded][width] becomes its softmax over the keys it sees (0
+// elsewhere), and inv_sum the reciprocal of its sum.
+inline void softmax_item(const PrefillRows& p, float* S, float* inv_sum) {
+  for (int64_t r = 0; r < p.padded; ++r) {
+    float* s = S + r * p.width;
+    const int64_t pos = p.first_pos + r / p.group;  // this row's position
+    const int64_t hi = r < p.rows ? pos + 1 - p.k_lo : 0;
+    const int64_t lo = r < p.rows && p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - p.k_lo) : 0;
     const float mx = span_max(s, lo, hi);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -550,30 +516,179 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       sum += s[i];
     }
     std::fill(s, s + lo, 0.f);
-    std::fill(s + std::max(hi, lo), s + width, 0.f);
+    std::fill(s + std::max(hi, lo), s + p.width, 0.f);
     inv_sum[r] = hi > lo ? 1.f / sum : 0.f;
   }
-  // 3. values: the item's V rows gathered once into a contiguous buffer, then each
-  // block of kRowBlock rows x kDimBlock dims sums over all its visible keys in registers.
-  float* values = tile + D * kKeyTile;  // [width][D]
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile)
-    load_tile<D>(v_cache, table, k_lo + k0, std::min(kKeyTile, num_keys - k0), block_size, kv_heads, h, values + k0 * D,
-              false);
-  for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-    const int64_t keys = std::min(block_keys(r0), num_keys);
-    const float* p0 = S + r0 * width;
-    for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
-      float a[kRowBlock][kDimBlock] = {};
-      for (int64_t i = 0; i < keys; ++i) {
-        const float* vi = values + i * D + d0;
-        for (int64_t rr = 0; rr < kRowBlock; ++rr) {
-          const float p = p0[rr * width + i];
+}
+
+// float32 math (either dtype): S = Q K^T over K tiles transposed into float32, then O = P V
+// over the item's V rows gathered once.  Q: [padded][D] float32, pre-scaled.
+template <int64_t D, typename T>
+struct Float32Prefill {
+  static void scores(const PrefillRows& p, const float* Q, const T* k_cache, const int64_t* table,
+                     int64_t block_size, int64_t kv_heads, int64_t h, float* S, float* tile) {
+    for (int64_t k0 = 0; k0 < p.num_keys; k0 += kKeyTile) {
+      load_tile<D>(k_cache, table, p.k_lo + k0, std::min(kKeyTile, p.num_keys - k0), block_size, kv_heads, h, tile,
+                   true);
+      for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
+        if (k0 >= p.block_keys(r0)) continue;  // wholly in the causal future of these rows
+        float s[kRowBlock][kKeyTile] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const float* kd = tile + d * kKeyTile;
+          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+            const float qd = Q[(r0 + rr) * D + d];
 #pragma omp simd
-          for (int64_t d = 0; d < kDimBlock; ++d) a[rr][d] += p * vi[d];
+            for (int64_t i = 0; i < kKeyTile; ++i) s[rr][i] += qd * kd[i];
+          }
         }
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy(s[rr], s[rr] + kKeyTile, S + (r0 + rr) * p.width + k0);
       }
-      for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(a[rr], kDimBlock, acc + (r0 + rr) * D + d0);
     }
+  }
+
+  // Each block of kRowBlock rows x kDimBlock dims sums over all its visible keys in registers.
+  static void values(const PrefillRows& p, const float* S, const T* v_cache, const int64_t* table,
+                     int64_t block_size, int64_t kv_heads, int64_t h, float* acc, float* values) {
+    for (int64_t k0 = 0; k0 < p.num_keys; k0 += kKeyTile)
+      load_tile<D>(v_cache, table, p.k_lo + k0, std::min(kKeyTile, p.num_keys - k0), block_size, kv_heads, h,
+                   values + k0 * D, false);
+    for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
+      const int64_t keys = std::min(p.block_keys(r0), p.num_keys);
+      const float* p0 = S + r0 * p.width;
+      for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
+        float a[kRowBlock][kDimBlock] = {};
+        for (int64_t i = 0; i < keys; ++i) {
+          const float* vi = values + i * D + d0;
+          for (int64_t rr = 0; rr < kRowBlock; ++rr) {
+            const float w = p0[rr * p.width + i];
+#pragma omp simd
+            for (int64_t d = 0; d < kDimBlock; ++d) a[rr][d] += w * vi[d];
+          }
+        }
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) std::copy_n(a[rr], kDimBlock, acc + (r0 + rr) * D + d0);
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16: both products through `vdpbf16ps`, two elements per float32
+// lane.  Scores: each K tile stored as [D / 2][16 keys] pairs of dims, each row's query
+// pair broadcast (Qb: [padded][D] bfloat16, unscaled; the scale is applied to the sums).
+// Values: the probabilities rounded to bfloat16 (as the decode kernel and GPU flash
+// attention round P before P V) in pairs of keys, V gathered as [keys / 2][D] pairs.
+template <int64_t D>
+struct BF16Prefill {
+  static void scores(const PrefillRows& p, const bf16* Qb, const bf16* k_cache, const int64_t* table,
+                     int64_t block_size, int64_t kv_heads, int64_t h, float scale, float* S, uint32_t* tile) {
+    const uint32_t* Q = reinterpret_cast<const uint32_t*>(Qb);  // [padded][D / 2] pairs
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t k0 = 0; k0 < p.num_keys; k0 += kKeyTile) {
+      const int64_t nk = std::min(kKeyTile, p.num_keys - k0);
+      for (int64_t i = 0; i < kKeyTile; ++i) {
+        const int64_t pos = p.k_lo + k0 + std::min(i, nk - 1);  // a short tile repeats its last key
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(
+            k_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D);
+        for (int64_t j = 0; j < D / 2; ++j) tile[j * kKeyTile + i] = row[j];
+      }
+      for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
+        if (k0 >= p.block_keys(r0)) continue;
+        __m512 s[kRowBlock];
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) s[rr] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D / 2; ++j) {
+          const __m512bh kj = (__m512bh)_mm512_loadu_si512(tile + j * kKeyTile);
+          for (int64_t rr = 0; rr < kRowBlock; ++rr)
+            s[rr] = _mm512_dpbf16_ps(s[rr], kj, (__m512bh)_mm512_set1_epi32(Q[(r0 + rr) * (D / 2) + j]));
+        }
+        for (int64_t rr = 0; rr < kRowBlock; ++rr)
+          _mm512_storeu_ps(S + (r0 + rr) * p.width + k0, _mm512_mul_ps(s[rr], scale_v));
+      }
+    }
+  }
+
+  static void values(const PrefillRows& p, float* S, const bf16* v_cache, const int64_t* table,
+                     int64_t block_size, int64_t kv_heads, int64_t h, float* acc, bf16* values) {
+    for (int64_t i = 0; i < p.width; ++i) {  // V as [pairs][D][2]; keys past num_keys are zero
+      bf16* dst = values + (i / 2) * D * 2 + i % 2;
+      if (i < p.num_keys) {
+        const int64_t pos = p.k_lo + i;
+        const bf16* row = v_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[2 * d] = bf16{0};
+      }
+    }
+    // P rounded to bfloat16 in place: row r's width values fill the first half of its bytes
+    // (each 16 are read before the 8 floats they overwrite, which were read before them).
+    for (int64_t r = 0; r < p.padded; ++r) {
+      bf16* narrow_row = reinterpret_cast<bf16*>(S + r * p.width);
+      for (int64_t i = 0; i < p.width; i += 16) {
+        const __m256bh narrow = _mm512_cvtneps_pbh(_mm512_loadu_ps(S + r * p.width + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(narrow_row + i), reinterpret_cast<const __m256i&>(narrow));
+      }
+    }
+    const uint32_t* W = reinterpret_cast<const uint32_t*>(S);  // row r's key pairs from W + r * width
+    for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
+      const int64_t key_pairs = (std::min(p.block_keys(r0), p.num_keys) + 1) / 2;
+      for (int64_t d0 = 0; d0 < D; d0 += kDimBlock) {
+        __m512 a[kRowBlock];
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) a[rr] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < key_pairs; ++i) {
+          const __m512bh v = (__m512bh)_mm512_loadu_si512(values + (i * D + d0) * 2);
+          for (int64_t rr = 0; rr < kRowBlock; ++rr)
+            a[rr] = _mm512_dpbf16_ps(a[rr], v, (__m512bh)_mm512_set1_epi32(W[(r0 + rr) * p.width + i]));
+        }
+        for (int64_t rr = 0; rr < kRowBlock; ++rr) _mm512_storeu_ps(acc + (r0 + rr) * D + d0, a[rr]);
+      }
+    }
+  }
+};
+#endif
+
+template <int64_t D, typename T>
+void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
+                  int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
+                  int64_t group, int64_t h, float scale, std::vector<float>& buf) {
+  const int64_t heads = kv_heads * group, rows = num_tokens * group;
+  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // Keys k_lo .. first_pos + num_tokens - 1: the first row's window starts at k_lo and the
+  // last token sees every key before it.
+  const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t num_keys = first_pos + num_tokens - k_lo;
+  const int64_t width = (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const PrefillRows p{rows, padded, group, first_pos, k_lo, num_keys, width, window};
+  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile + width * D);
+  float* Q = buf.data();              // [padded][D]; padding rows are zero
+  float* acc = Q + padded * D;        // [padded][D]
+  float* inv_sum = acc + padded * D;  // [padded]
+  float* S = inv_sum + padded;        // [padded][width] scores, then probabilities
+  float* tile = S + padded * width;   // a K tile
+  float* values = tile + D * kKeyTile;  // the item's V rows
+  auto query = [&](int64_t t, int64_t g) { return q + (row0 + t) * heads * D + (h * group + g) * D; };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    // bfloat16 copies fit in the float32 buffers' room: Q, the K tile's pairs, V's pairs.
+    bf16* Qb = reinterpret_cast<bf16*>(Q);
+    std::fill(Qb, Qb + padded * D, bf16{0});
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t g = 0; g < group; ++g) std::copy_n(query(t, g), D, Qb + (t * group + g) * D);
+    BF16Prefill<D>::scores(p, Qb, k_cache, table, block_size, kv_heads, h, scale, S,
+                           reinterpret_cast<uint32_t*>(tile));
+    softmax_item(p, S, inv_sum);
+    BF16Prefill<D>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, reinterpret_cast<bf16*>(values));
+  } else
+#endif
+  {
+    std::fill(Q, Q + padded * D, 0.f);
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query(t, g);
+        float* dst = Q + (t * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+      }
+    Float32Prefill<D, T>::scores(p, Q, k_cache, table, block_size, kv_heads, h, S, tile);
+    softmax_item(p, S, inv_sum);
+    Float32Prefill<D, T>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, values);
   }
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
