@@ -5,7 +5,7 @@
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
 weight reordered once (`pagedllm/execution/linear.py`).  float32; GFLOP/s, the two
 backends interleaved round by round.  Then the small-batch `packed_gemm`
-(csrc/small_gemm.cpp) against oneDNN at 1-128 rows over all of SmolLM2's
+(csrc/small_gemm.cpp) against oneDNN at 1-512 rows over all of SmolLM2's
 projections in turn (30 layers, 406 MiB in float32, 203 MiB in bfloat16, so
 every weight comes from memory as in a decode step): ms per pass, GFLOP/s, and
 the ratio; in float32, and in bfloat16 where the CPU has AVX512-BF16.
@@ -65,7 +65,7 @@ def small_batch_against_onednn(dtype: torch.dtype, layers: int = 30, rounds: int
     onednn = [Linear(w, "onednn") for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"{dtype} packed_gemm (the engine's up to {max_rows} rows) against oneDNN, all projections, {cpu_summary()}:")
-    for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+    for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512):
         xs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for w in weights}}
         times: dict[str, list[float]] = {"packed": [], "onednn": []}
         for _ in range(rounds):
