@@ -14,6 +14,19 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+#if defined(__AVX512BF16__)
+// v rounded to bfloat16 (nearest even) and back to float32.
+inline __m512 bf16_round(__m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+}
+// Stores 16 floats rounded to bfloat16 (nearest even).
+inline void store_bf16x16(bf16* dst, __m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(b));
+}
+#endif
+
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once.
 inline __m512 hsum16(const __m512* v) {
   __m512 a[8], b[4], c[2];

@@ -11,7 +11,9 @@
 // are computed in float32 and rounded once.
 #include <omp.h>
 
-#include "common.h"
+#include <type_traits>
+
+#include "avx512.h"
 
 namespace pagedllm {
 namespace {
@@ -77,8 +79,21 @@ void gated(const T* gate_up, T* out, int64_t rows, int64_t width, Act act) {
     const T* gate = gate_up + r * 2 * width;
     const T* up = gate + width;
     T* o = out + r * width;
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    // Both roundings by `vcvtneps2bf16` (nearest even, as from_float does), 16 at a time.
+    if constexpr (std::is_same_v<T, bf16>) {
+      for (; i + 16 <= width; i += 16) {
+        alignas(64) float g[16];
+        _mm512_store_ps(g, load16(gate + i));
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = from_float<T>(round_to<T>(act(to_float(gate[i]))) * to_float(up[i]));
+        for (int j = 0; j < 16; ++j) g[j] = act(g[j]);
+        store_bf16x16(o + i, _mm512_mul_ps(bf16_round(_mm512_load_ps(g)), load16(up + i)));
+      }
+    }
+#endif
+#pragma omp simd
+    for (int64_t j = i; j < width; ++j) o[j] = from_float<T>(round_to<T>(act(to_float(gate[j]))) * to_float(up[j]));
   }
 }
 
