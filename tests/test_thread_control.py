@@ -92,3 +92,19 @@ def test_busy_seconds_reads_only_the_given_cores(tmp_path) -> None:
     ticks = (100 + 5 + 50 + 1 + 2 + 3) + (200 + 100)  # idle and iowait left out
     assert busy_seconds([0, 1], str(stat)) == pytest.approx(ticks / 100)
     assert busy_seconds([0], str(tmp_path / "missing")) is None
+
+
+def test_a_window_without_steps_is_not_used() -> None:
+    # Start-up (the kernel compiler is a child process: its CPU time looks like another
+    # process's) or an idle server: the first window after it is dropped, not acted on.
+    machine = FakeMachine()
+    threads, calls = make(machine)
+    machine.run(15.0, own_cores=0.5, other_cores=0.5)
+    threads.after_step()
+    assert threads.threads == 2 and calls == [2]
+    machine.run(1.1, own_cores=2.0, other_cores=0.0)  # measured afresh from the last sample
+    threads.after_step()
+    assert threads.threads == 2 and threads.other_cores == 0.0
+    machine.run(1.1, own_cores=1.0, other_cores=1.0)  # a busy loop within one window still counts
+    threads.after_step()
+    assert threads.threads == 1 and calls == [2, 1]

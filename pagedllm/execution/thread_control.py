@@ -13,7 +13,11 @@ this process's own CPU time) and sets the thread count to the cores left
 (rounded down, with a quarter-core of slack; at least 1, at most the thread
 count the process started with: the cores it may use, or `OMP_NUM_THREADS`).
 The decision is made between steps, on the thread that runs them, so torch's
-and the C++ kernels' OpenMP regions follow it at once.  Pure Python
+and the C++ kernels' OpenMP regions follow it at once.  A window in which no step
+ran for over three intervals (start-up, an idle server) is dropped: it says
+nothing about now, and at start-up it holds the kernel compiler, a child whose CPU
+time looked like another process's (a fresh start went to one thread for its first
+second).  Pure Python
 apart from the setter it is given; `num_threads` set by the user turns it off.
 """
 
@@ -25,6 +29,9 @@ import time
 from collections.abc import Callable
 
 logger = logging.getLogger("pagedllm")
+
+# A window longer than this many intervals (no step ran in between) is not used.
+_STALE_INTERVALS = 3
 
 # /proc/stat counts in USER_HZ ticks (100 per second on Linux).
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -95,6 +102,11 @@ class AdaptiveThreads:
         (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
         self._last = sample
         if busy0 is None or busy1 is None:
+            return
+        if t1 - t0 > _STALE_INTERVALS * self._interval:
+            # No step for a while (start-up, an idle server): the window says nothing about now,
+            # and it may hold this process's children (the kernel compiler), which
+            # process_time does not count as ours.  Measure afresh from here.
             return
         # Others' CPU time = all busy time on our cores less our own (our threads may also run
         # elsewhere when the affinity is wider than the cores read; clamp at 0).
