@@ -91,43 +91,27 @@ inline void prefetch_rows(const T* const* rows, int64_t bytes, int64_t offset = 
 }
 
 #if defined(__AVX512F__)
-// One query head in registers, as floats and (AVX512-BF16) as bf16 pairs.
-struct QueryRegs {
+// 64 elements of a query head or a key in registers: as floats, or for bfloat16 with
+// AVX512-BF16 as pairs, the form `vdpbf16ps` takes.
+struct Regs64 {
   __m512 f[4];
 #if defined(__AVX512BF16__)
   __m512bh b[2];
 #endif
 };
-inline void load_query(const float* q, QueryRegs& r) {
-  for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(q + 16 * j);
+inline void load64(const float* p, Regs64& r) {
+  for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(p + 16 * j);
 }
-inline void load_query(const bf16* q, QueryRegs& r) {
+inline void load64(const bf16* p, Regs64& r) {
 #if defined(__AVX512BF16__)
-  for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+  for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
 #else
-  for (int j = 0; j < 4; ++j) r.f[j] = load16(q + 16 * j);
-#endif
-}
-// 64 elements of one key in registers: as floats, or (AVX512-BF16) as bf16 pairs.
-struct KeyRegs {
-  __m512 f[4];
-#if defined(__AVX512BF16__)
-  __m512bh b[2];
-#endif
-};
-inline void load_key(const float* k, KeyRegs& r) {
-  for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(k + 16 * j);
-}
-inline void load_key(const bf16* k, KeyRegs& r) {
-#if defined(__AVX512BF16__)
-  for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(k + 32 * j);
-#else
-  for (int j = 0; j < 4; ++j) r.f[j] = load16(k + 16 * j);
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(p + 16 * j);
 #endif
 }
 // acc + q . k as 16 partial sums, for 64 elements of one key (T picks the registers' form).
 template <typename T>
-inline __m512 dot_acc(const KeyRegs& k, const QueryRegs& q, __m512 acc) {
+inline __m512 dot_acc(const Regs64& k, const Regs64& q, __m512 acc) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     acc = _mm512_dpbf16_ps(acc, k.b[0], q.b[0]);
@@ -146,11 +130,11 @@ template <int64_t D, int G, typename T>
 inline void head_scores(const T* q, const T* const* rows, int64_t offset, __m512 scale, float* scores, int64_t ld) {
   alignas(64) __m512 partial[G][kKeys];
   for (int64_t c = 0; c < D; c += C) {
-    QueryRegs qr[G];
-    for (int g = 0; g < G; ++g) load_query(q + g * D + c, qr[g]);
+    Regs64 qr[G];
+    for (int g = 0; g < G; ++g) load64(q + g * D + c, qr[g]);
     for (int64_t i = 0; i < kKeys; ++i) {
-      KeyRegs kr;
-      load_key(rows[i] + offset + c, kr);
+      Regs64 kr;
+      load64(rows[i] + offset + c, kr);
       for (int g = 0; g < G; ++g) partial[g][i] = dot_acc<T>(kr, qr[g], c == 0 ? _mm512_setzero_ps() : partial[g][i]);
     }
   }
