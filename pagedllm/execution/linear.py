@@ -15,8 +15,9 @@ with a `small_batch` kernel library (a CpuKernels) such steps go to the C++
 `packed_gemm` (csrc/small_gemm.cpp) on a copy of the weight packed in panels of
 32 output columns: float32 linears of at most `packed_gemm_max_rows` rows (32
 with AVX-512, 4 for the plain C++ build), and bfloat16 ones (even inner size)
-where the CPU has AVX512-BF16.  That copy is kept beside oneDNN's (for SmolLM2,
-+406 MiB in float32, +203 MiB in bfloat16); `linear="onednn"` goes without.
+of up to 512 rows where the CPU has AVX512-BF16, the LM head's too.  That copy
+is kept beside oneDNN's (for SmolLM2's projections, +406 MiB in float32, +203
+MiB in bfloat16); `linear="onednn"` goes without.
 The limits were measured against oneDNN on SmolLM2's projections
 (`python benchmarks/linear_backends.py`).
 """

@@ -13,11 +13,11 @@ this process's own CPU time) and sets the thread count to the cores left
 (rounded down, with a quarter-core of slack; at least 1, at most the thread
 count the process started with: the cores it may use, or `OMP_NUM_THREADS`).
 The decision is made between steps, on the thread that runs them, so torch's
-and the C++ kernels' OpenMP regions follow it at once.  A window in which no step
-ran for over three intervals (start-up, an idle server) is dropped: it says
-nothing about now, and at start-up it holds the kernel compiler, a child whose CPU
-time looked like another process's (a fresh start went to one thread for its first
-second).  Pure Python
+and the C++ kernels' OpenMP regions follow it at once.  A window longer than three
+intervals (no step ended within it: start-up, an idle server, one long step) is
+dropped: it says little about now, and at start-up it holds the kernel compiler, a
+child whose CPU time looked like another process's (a fresh start went to one
+thread for its first second).  Pure Python
 apart from the setter it is given; `num_threads` set by the user turns it off.
 """
 
@@ -104,9 +104,9 @@ class AdaptiveThreads:
         if busy0 is None or busy1 is None:
             return
         if t1 - t0 > _STALE_INTERVALS * self._interval:
-            # No step for a while (start-up, an idle server): the window says nothing about now,
-            # and it may hold this process's children (the kernel compiler), which
-            # process_time does not count as ours.  Measure afresh from here.
+            # No step ended for a while (start-up, an idle server, one long step): the window
+            # says little about now, and it may hold this process's children (the kernel
+            # compiler), which process_time does not count as ours.  Measure afresh from here.
             return
         # Others' CPU time = all busy time on our cores less our own (our threads may also run
         # elsewhere when the affinity is wider than the cores read; clamp at 0).
