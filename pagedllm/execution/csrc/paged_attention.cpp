@@ -612,10 +612,7 @@ struct BF16Prefill {
     // (each 16 are read before the 8 floats they overwrite, which were read before them).
     for (int64_t r = 0; r < p.padded; ++r) {
       bf16* narrow_row = reinterpret_cast<bf16*>(S + r * p.width);
-      for (int64_t i = 0; i < p.width; i += 16) {
-        const __m256bh narrow = _mm512_cvtneps_pbh(_mm512_loadu_ps(S + r * p.width + i));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(narrow_row + i), reinterpret_cast<const __m256i&>(narrow));
-      }
+      for (int64_t i = 0; i < p.width; i += 16) store_bf16x16(narrow_row + i, _mm512_loadu_ps(S + r * p.width + i));
     }
     const uint32_t* W = reinterpret_cast<const uint32_t*>(S);  // row r's key pairs from W + r * width
     for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
