@@ -22,7 +22,7 @@
 // head's slice of the next rows as it starts that head), 13% faster than all at once.
 // Against the kernel before (rows read in memory order, every head loading its query
 // again for every key, prefetches into L1 all at once, none for the first tile) this
-// measured 1.55x faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16,
+// measured ~1.5x faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16,
 // AVX512-BF16 EPYC; docs/performance.md).
 #include <omp.h>
 
@@ -461,13 +461,19 @@ constexpr int64_t kRowBlock = PAGEDLLM_ROW_BLOCK;
 static_assert(kRowsPerItem % kRowBlock == 0, "an item holds whole row blocks");
 constexpr int64_t kDimBlock = 16;
 
+// KV head h's D elements of position `pos`, found through the block table.
+template <int64_t D, typename T>
+inline const T* head_row(const T* cache, const int64_t* table, int64_t pos, int64_t block_size, int64_t kv_heads,
+                         int64_t h) {
+  return cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+}
+
 template <int64_t D, typename T>
 inline void load_tile(const T* cache, const int64_t* table, int64_t k0, int64_t nk, int64_t block_size,
                       int64_t kv_heads, int64_t h, float* dst, bool transpose) {
   for (int64_t i = 0; i < kKeyTile; ++i) {
     if (i < nk) {
-      const int64_t pos = k0 + i;
-      const T* row = cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+      const T* row = head_row<D>(cache, table, k0 + i, block_size, kv_heads, h);
       if (transpose)
         for (int64_t d = 0; d < D; ++d) dst[d * kKeyTile + i] = to_float(row[d]);
       else
@@ -577,8 +583,8 @@ struct BF16Prefill {
       const int64_t nk = std::min(kKeyTile, p.num_keys - k0);
       for (int64_t i = 0; i < kKeyTile; ++i) {
         const int64_t pos = p.k_lo + k0 + std::min(i, nk - 1);  // a short tile repeats its last key
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(
-            k_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D);
+        const bf16* key = head_row<D>(k_cache, table, pos, block_size, kv_heads, h);
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(key);
         for (int64_t j = 0; j < D / 2; ++j) tile[j * kKeyTile + i] = row[j];
       }
       for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
@@ -601,8 +607,7 @@ struct BF16Prefill {
     for (int64_t i = 0; i < p.width; ++i) {  // V as [pairs][D][2]; keys past num_keys are zero
       bf16* dst = values + (i / 2) * D * 2 + i % 2;
       if (i < p.num_keys) {
-        const int64_t pos = p.k_lo + i;
-        const bf16* row = v_cache + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * D;
+        const bf16* row = head_row<D>(v_cache, table, p.k_lo + i, block_size, kv_heads, h);
         for (int64_t d = 0; d < D; ++d) dst[2 * d] = row[d];
       } else {
         for (int64_t d = 0; d < D; ++d) dst[2 * d] = bf16{0};
