@@ -15,15 +15,15 @@
 // computed together, their horizontal sums done at once by a transpose tree, and
 // with AVX512-BF16 bfloat16 rows go straight into `vdpbf16ps` without conversion;
 // the value sums stay in registers for a tile.  Without AVX-512 the same loops are
-// left to the compiler's vectorizer.  The scores are computed KV head by KV head, up to
-// four of its query heads held in registers while each key is loaded once for all of them.
+// left to the compiler's vectorizer.  The scores are computed KV head by KV head, one
+// query head at a time (the tile's keys come from L1 for the others of its group).
 // Each pass asks for its first tile, then for the next tile's rows while it computes the
-// current one, into L2; the scores pass spreads those requests over its KV heads (each
-// head's slice of the next rows as it starts that head), 13% faster than all at once.
-// Against the kernel before (rows read in memory order, every head loading its query
-// again for every key, prefetches into L1 all at once, none for the first tile) this
-// measured ~1.5x faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16,
-// AVX512-BF16 EPYC; docs/performance.md).
+// current one, into L2, spreading those requests over its KV heads (each head's slice of
+// the next rows as it starts that head): 13% faster than all at once in the scores pass,
+// a few percent in the values pass.  Against the kernel before (rows read in memory order,
+// every head loading its query again for every key, prefetches into L1 all at once, none
+// for the first tile) this measured ~1.5x faster at 128 requests x ~268 tokens over 30
+// layers' caches (bfloat16, AVX512-BF16 EPYC; docs/performance.md).
 #include <omp.h>
 
 #include <algorithm>
@@ -122,27 +122,28 @@ inline __m512 dot_acc(const Regs64& k, const Regs64& q, __m512 acc) {
   return acc;
 }
 
-// Scores of G query heads (rows ld apart from `scores`) that read one KV head (at `offset`
-// in each row) against one tile of keys: the G queries stay in registers while each key's
-// 64 elements are loaded once for all of them; each (key, head) dot product is left as 16
-// partial sums, whose horizontal sums are then done 16 keys at a time.
-template <int64_t D, int G, typename T>
-inline void head_scores(const T* q, const T* const* rows, int64_t offset, __m512 scale, float* scores, int64_t ld) {
-  alignas(64) __m512 partial[G][kKeys];
+// Scores of one query head against one tile of keys (its KV head at `offset` in each row):
+// each (key, head) dot product is left as 16 partial sums, whose horizontal sums are then
+// done 16 keys at a time.  One query head at a time, reloading the tile's keys from L1 for
+// each head of the group: holding 2-4 heads' queries and partial sums (16 zmm each) in
+// registers spilled, and measured 2-7% slower (docs/performance.md).
+template <int64_t D, typename T>
+inline void head_scores(const T* q, const T* const* rows, int64_t offset, __m512 scale, float* scores) {
+  alignas(64) __m512 partial[kKeys];
   for (int64_t c = 0; c < D; c += C) {
-    Regs64 qr[G];
-    for (int g = 0; g < G; ++g) load64(q + g * D + c, qr[g]);
+    Regs64 qr;
+    load64(q + c, qr);
     for (int64_t i = 0; i < kKeys; ++i) {
       Regs64 kr;
       load64(rows[i] + offset + c, kr);
-      for (int g = 0; g < G; ++g) partial[g][i] = dot_acc<T>(kr, qr[g], c == 0 ? _mm512_setzero_ps() : partial[g][i]);
+      partial[i] = dot_acc<T>(kr, qr, c == 0 ? _mm512_setzero_ps() : partial[i]);
     }
   }
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * ld, _mm512_mul_ps(hsum16(partial[g]), scale));
+  _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(partial), scale));
 }
 
-// Scores of every query head against one tile of keys, KV head by KV head, up to 4 of its
-// query heads at a time, asking for each head's slice of the `next` tile's rows (if any).
+// Scores of every query head against one tile of keys, KV head by KV head, asking for each
+// head's slice of the `next` tile's rows (if any).
 template <int64_t D, typename T>
 inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
                         float* scores, int64_t ld, const T* const* next) {
@@ -150,18 +151,8 @@ inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv
   constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t h = 0; h < kv_heads; ++h) {
     if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
-    for (int64_t g = 0; g < group;) {
-      const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
-      const T* qh = q + head * D;
-      float* out = scores + head * ld + t0;
-      switch (count) {
-        case 4: head_scores<D, 4>(qh, rows, h * D, scale_v, out, ld); break;
-        case 3: head_scores<D, 3>(qh, rows, h * D, scale_v, out, ld); break;
-        case 2: head_scores<D, 2>(qh, rows, h * D, scale_v, out, ld); break;
-        default: head_scores<D, 1>(qh, rows, h * D, scale_v, out, ld); break;
-      }
-      g += count;
-    }
+    for (int64_t head = h * group; head < (h + 1) * group; ++head)
+      head_scores<D>(q + head * D, rows, h * D, scale_v, scores + head * ld + t0);
   }
 }
 
@@ -232,10 +223,12 @@ inline void weights_to_bf16(const float* probs, int64_t heads, int64_t len, int6
 
 template <int64_t D>
 inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_t n, int64_t t0, int64_t kv_heads,
-                            int64_t group, int64_t ld, float* acc) {
+                            int64_t group, int64_t ld, float* acc, const bf16* const* next) {
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights);
   const int64_t ld_pairs = ld / 2;
-  for (int64_t h = 0; h < kv_heads; ++h)
+  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(bf16));
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
     for (int64_t g = 0; g < group;) {
       const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
       const uint32_t* p = pairs + head * ld_pairs + t0 / 2;
@@ -250,6 +243,7 @@ inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_
       }
       g += count;
     }
+  }
 }
 
 template <int64_t D>
@@ -389,13 +383,14 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
   if (values_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);
   for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
     const int64_t n = values.next(rows);
-    if (values_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);
+    const bool more = values_ahead.next(ahead) > 0;
 #if defined(__AVX512BF16__)
     if constexpr (paired) {
-      tile_all_values<D>(narrow, rows, n, t0, kv_heads, group, ld, acc);
+      tile_all_values<D>(narrow, rows, n, t0, kv_heads, group, ld, acc, more ? ahead : nullptr);
       continue;
     }
 #endif
+    if (more) prefetch_rows(ahead, row_bytes);
     tile_all_values<D>(scores, rows, n, t0, kv_heads, group, ld, acc);
   }
 #if defined(__AVX512BF16__)
