@@ -131,3 +131,19 @@ def test_sampler_follows_the_distribution_and_filters():
 def test_bad_sampling_params_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sampler_with_the_cpp_argmax_picks_what_torch_picks():
+    from pagedllm.execution.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
+    logits[2, 100] = logits[2, 7] = logits[2].max() + 1  # a tie: the first index
+    params = [SamplingParams(temperature=0.0)] * 9
+    fast = Sampler(seed=0, kernels=kernels)
+    assert fast.kernels is kernels
+    assert fast(logits, params, [None] * 9).token_ids == logits.argmax(dim=-1).tolist()
+    assert fast(logits, params, [None] * 9).token_ids[2] == 7
+    # A non-contiguous view goes to torch's argmax, with the same answer.
+    view = logits[:, :40000]
+    assert fast(view, params, [None] * 9).token_ids == view.argmax(dim=-1).tolist()

@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp", "sampling.cpp")
 _HEADERS = ("common.h", "avx512.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -55,6 +55,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
+    "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -274,6 +275,16 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=x.dtype)
         self._fn("packed_gemm", x.dtype)(_ptr(x), _ptr(packed), _ptr(y), m, n, k)
         return y
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) for float32 x [rows, cols] (cols >= 1): the first index of each
+        row's largest value, a NaN counting as the largest (csrc/sampling.cpp)."""
+        _check(x)
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError(f"argmax_rows takes float32 [rows, cols >= 1], got {x.dtype} {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._fn("argmax_rows", torch.float32)(_ptr(x), _ptr(out), x.shape[0], x.shape[1])
+        return out
 
 
 def _check(*tensors: torch.Tensor) -> None:
