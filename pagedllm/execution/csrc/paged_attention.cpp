@@ -324,10 +324,39 @@ inline float span_max(const float* s, int64_t lo, int64_t hi) {
   // not) cost 4 cycles per key, 13% of the prefill kernel's time at 512 tokens.
   __m512 lanes = _mm512_set1_ps(mx);
   for (; i + 16 <= hi; i += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(s + i));
-  mx = _mm512_reduce_max_ps(lanes);
-#endif
+  if (i < hi) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (hi - i)) - 1);
+    lanes = _mm512_mask_max_ps(lanes, tail, lanes, _mm512_maskz_loadu_ps(tail, s + i));
+  }
+  return _mm512_reduce_max_ps(lanes);
+#else
   for (; i < hi; ++i) mx = std::max(mx, s[i]);
   return mx;
+#endif
+}
+
+// s[lo, hi) = exp(s[i] - mx) in place; returns their sum.  With AVX-512, masked 16-lane
+// steps, the last one partial.
+inline float exp_span(float* s, int64_t lo, int64_t hi, float mx) {
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = lo; i < hi; i += 16) {
+    const __mmask16 keep = hi - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (hi - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + i), m));
+    _mm512_mask_storeu_ps(s + i, keep, e);
+    sum = _mm512_mask_add_ps(sum, keep, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = lo; i < hi; ++i) {
+    s[i] = fast_exp(s[i] - mx);
+    sum += s[i];
+  }
+  return sum;
+#endif
 }
 
 // In place: each row of `scores` becomes its softmax, and inv_sum the reciprocal of its sum.
@@ -335,13 +364,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t ld, f
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     const float mx = span_max(s, 0, len);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < len; ++i) {
-      s[i] = fast_exp(s[i] - mx);
-      sum += s[i];
-    }
-    inv_sum[r] = 1.f / sum;
+    inv_sum[r] = 1.f / exp_span(s, 0, len, mx);
   }
 }
 
@@ -500,12 +523,7 @@ inline void softmax_item(const PrefillRows& p, float* S, float* inv_sum) {
     const int64_t hi = r < p.rows ? pos + 1 - p.k_lo : 0;
     const int64_t lo = r < p.rows && p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - p.k_lo) : 0;
     const float mx = span_max(s, lo, hi);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = lo; i < hi; ++i) {
-      s[i] = fast_exp(s[i] - mx);
-      sum += s[i];
-    }
+    const float sum = exp_span(s, lo, hi, mx);
     std::fill(s, s + lo, 0.f);
     std::fill(s + std::max(hi, lo), s + p.width, 0.f);
     inv_sum[r] = hi > lo ? 1.f / sum : 0.f;
