@@ -394,6 +394,9 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
     const bool more = keys_ahead.next(ahead) > 0;
     tile_scores<D>(q, rows, t0, kv_heads, group, scale, scores, ld, more ? ahead : nullptr);
   }
+  RowWalker<T> values(v_cache, table, start, seq_len, block_size, row);
+  RowWalker<T> values_ahead(v_cache, table, start, seq_len, block_size, row);
+  if (values_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);  // arrives during the softmax
   softmax_rows(scores, heads, len, ld, inv_sum);
   std::fill(acc, acc + heads * D, 0.f);
 #if defined(__AVX512BF16__)
@@ -401,9 +404,6 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
   bf16* narrow = reinterpret_cast<bf16*>(inv_sum + heads);  // the weights as bfloat16
   if constexpr (paired) weights_to_bf16(scores, heads, len, ld, narrow);
 #endif
-  RowWalker<T> values(v_cache, table, start, seq_len, block_size, row);
-  RowWalker<T> values_ahead(v_cache, table, start, seq_len, block_size, row);
-  if (values_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);
   for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
     const int64_t n = values.next(rows);
     const bool more = values_ahead.next(ahead) > 0;
