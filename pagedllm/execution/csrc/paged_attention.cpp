@@ -182,12 +182,8 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
 // bfloat16 values with AVX512-BF16: keys two at a time through `vdpbf16ps`, the weights
 // rounded to bfloat16 first (as GPU flash attention rounds P before P.V).  Two V rows are
 // interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
-// accumulators hold each 64 dims in `paired_dim` order, put back by `unpair_values`.
-inline int64_t paired_dim(int64_t q) {
-  const int64_t b = q / 16, j = q % 16;
-  return (b / 2) * 32 + 8 * (j / 4) + (b % 2) * 4 + j % 4;
-}
-
+// accumulators hold each 32 dims in the order [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31],
+// put back by `store_paired_output`.
 template <int G>
 inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
                              int64_t ld_pairs, float* acc, int64_t stride) {
@@ -246,15 +242,21 @@ inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_
   }
 }
 
+// out = acc * inv_sum per head, rounded to bfloat16, the accumulators put back in dims'
+// order by one permute per 16 dims (a scalar reorder before compiled to a scatter).
 template <int64_t D>
-inline void unpair_values(float* acc, int64_t heads) {
-  float tmp[C];
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t c = 0; c < D; c += C) {
-      float* a = acc + h * D + c;
-      for (int64_t q = 0; q < C; ++q) tmp[paired_dim(q)] = a[q];
-      std::copy(tmp, tmp + C, a);
+inline void store_paired_output(const float* acc, const float* inv_sum, int64_t heads, bf16* out) {
+  // Of each 32 dims: [0, 16) from acc's [0, 16) (lo) and [16, 32) (hi) of the same 32.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 scale = _mm512_set1_ps(inv_sum[h]);
+    for (int64_t g = 0; g < D; g += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + h * D + g), hi = _mm512_loadu_ps(acc + h * D + g + 16);
+      store_bf16x16(out + h * D + g, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+      store_bf16x16(out + h * D + g + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
     }
+  }
 }
 #endif
 
@@ -417,7 +419,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, T* out, const in
     tile_all_values<D>(scores, rows, n, t0, kv_heads, group, ld, acc);
   }
 #if defined(__AVX512BF16__)
-  if constexpr (paired) unpair_values<D>(acc, heads);
+  if constexpr (paired) return store_paired_output<D>(acc, inv_sum, heads, out);
 #endif
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(acc[h * D + d] * inv_sum[h]);
