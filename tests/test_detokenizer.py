@@ -39,3 +39,19 @@ def test_earliest_of_several_stops_wins():
 def test_held_back_text_is_flushed_at_the_end():
     text, streamed, hit = stream("no stop here EN", ["END"])
     assert not hit and text == streamed == "no stop here EN"
+
+
+def test_real_tokenizer_decodes_as_transformers_does():
+    import random
+
+    from pagedllm.models.loader import resolve_model_path
+    from pagedllm.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_path("smollm2"))
+    assert tok._backend_decode is not None  # SmolLM2's fast tokenizer takes the direct path
+    rng = random.Random(0)
+    special = list(tok.hf.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randrange(1, 12))] + rng.sample(special, 1)
+        rng.shuffle(ids)
+        assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)

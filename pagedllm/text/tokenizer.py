@@ -37,6 +37,12 @@ class Tokenizer:
                     pass  # a read-only home only costs the conversion next time
         else:
             self.hf = AutoTokenizer.from_pretrained(str(path))
+        # A fast tokenizer without the space clean-up decodes to the same text through its Rust
+        # backend directly, ~2-3 us sooner per call; the detokenizer calls it twice per request
+        # and step (~0.6 ms a step at 128 requests).
+        backend = getattr(self.hf, "_tokenizer", None)
+        cleans_up = getattr(self.hf, "clean_up_tokenization_spaces", True)
+        self._backend_decode = backend.decode if backend is not None and not cleans_up else None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -50,6 +56,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=True)
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
     @property
