@@ -47,16 +47,18 @@ def run(path, attention: str, **engine) -> dict:
         shared = torch.randint(1000, 49152, (17,), generator=gen).tolist()
         prompts = [shared + torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (3, 9, 20)]
         prompts.append(shared)  # a whole-prompt prefix hit on the first request's blocks
+        # n=3 forks that draw different tokens.  top_k=2: the two kernels sum in different orders, and
+        # a draw over the whole vocabulary flipped where it landed within that noise (outputs 1e-5
+        # apart) of a step of the cumulative distribution; over two tokens there is one such step.
+        forks = SamplingParams(n=3, temperature=0.9, top_k=2, seed=4, max_tokens=8)
         out = {
             "greedy": [o.token_ids for o in llm.generate(prompts, greedy(12))],
-            "samples": [
-                c.token_ids
-                for c in llm.generate(prompts[0], SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=8))[0].outputs
-            ],
+            "samples": [c.token_ids for c in llm.generate(prompts[0], forks)[0].outputs],
             "beams": [h.token_ids for h in llm.beam_search([prompts[1]], beam_width=3, max_tokens=6)[0].outputs],
             "preemptions": llm.engine.scheduler.num_preemptions,
             "hits": llm.engine.scheduler.prefix_cache_hit_tokens,
         }
+        assert len({tuple(s) for s in out["samples"]}) > 1, "the forks should draw different tokens"
         kv = llm.engine.kv_cache
         assert kv.num_free_blocks == kv.num_blocks and not kv.block_tables
     return out
@@ -90,6 +92,7 @@ def test_decode_graph_inputs_and_padding_give_the_eager_tokens(checkpoint):
         graphed = [o.token_ids for o in llm.generate(prompts, greedy(6))]  # 3 decodes padded to 4
         graphed_forks = llm.generate(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=4))[0]
         assert runner.graphs.replays > 0
+        assert len({tuple(s) for s in out["samples"]}) > 1, "the forks should draw different tokens"
         kv = llm.engine.kv_cache
         assert kv.num_free_blocks == kv.num_blocks
     assert graphed == eager
