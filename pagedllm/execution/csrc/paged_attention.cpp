@@ -20,10 +20,11 @@
 // Each pass asks for its first tile, then for the next tile's rows while it computes the
 // current one, into L2, spreading those requests over its KV heads (each head's slice of
 // the next rows as it starts that head): 13% faster than all at once in the scores pass,
-// a few percent in the values pass.  Against the kernel before (rows read in memory order,
-// every head loading its query again for every key, prefetches into L1 all at once, none
-// for the first tile) this measured ~1.5x faster at 128 requests x ~268 tokens over 30
-// layers' caches (bfloat16, AVX512-BF16 EPYC; docs/performance.md).
+// 3-13% in the values pass, which asks for its first tile before the softmax.  Against the
+// kernel before (rows read in memory order, every head loading its query again for every
+// key, prefetches into L1 all at once, none for the first tile) this measured 1.8-2.0x
+// faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16, AVX512-BF16
+// EPYC; docs/performance.md).
 #include <omp.h>
 
 #include <algorithm>
@@ -126,7 +127,7 @@ inline __m512 dot_acc(const Regs64& k, const Regs64& q, __m512 acc) {
 // each (key, head) dot product is left as 16 partial sums, whose horizontal sums are then
 // done 16 keys at a time.  One query head at a time, reloading the tile's keys from L1 for
 // each head of the group: holding 2-4 heads' queries and partial sums (16 zmm each) in
-// registers spilled, and measured 2-7% slower (docs/performance.md).
+// registers spills; 4 heads measured 1.04-1.16x the time, 2 within noise (docs/performance.md).
 template <int64_t D, typename T>
 inline void head_scores(const T* q, const T* const* rows, int64_t offset, __m512 scale, float* scores) {
   alignas(64) __m512 partial[kKeys];
