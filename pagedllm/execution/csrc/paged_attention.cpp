@@ -584,11 +584,6 @@ struct Float32Prefill {
 };
 
 #if defined(__AVX512BF16__)
-// bfloat16 with AVX512-BF16: both products through `vdpbf16ps`, two elements per float32
-// lane.  Scores: each K tile stored as [D / 2][16 keys] pairs of dims, each row's query
-// pair broadcast (Qb: [padded][D] bfloat16, unscaled; the scale is applied to the sums).
-// Values: the probabilities rounded to bfloat16 (as the decode kernel and GPU flash
-// attention round P before P V) in pairs of keys, V gathered as [keys / 2][D] pairs.
 // out[c][i] = rows[i][c] for 16 rows of 16 32-bit elements (a dimension pair each): four
 // rounds of 16 shuffles, against the 256 scalar loads and stores of the plain loop, which
 // cost ~25% of the kernel's time (with the V interleave below).
@@ -616,6 +611,11 @@ inline void transpose16x16(const uint32_t* const* rows, uint32_t* out) {
   }
 }
 
+// bfloat16 with AVX512-BF16: both products through `vdpbf16ps`, two elements per float32
+// lane.  Scores: each K tile stored as [D / 2][16 keys] pairs of dims, each row's query
+// pair broadcast (Qb: [padded][D] bfloat16, unscaled; the scale is applied to the sums).
+// Values: the probabilities rounded to bfloat16 (as the decode kernel and GPU flash
+// attention round P before P V) in pairs of keys, V gathered as [keys / 2][D] pairs.
 template <int64_t D>
 struct BF16Prefill {
   static void scores(const PrefillRows& p, const bf16* Qb, const bf16* k_cache, const int64_t* table,
