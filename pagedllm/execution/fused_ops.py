@@ -47,6 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class TorchOps:
     name = "torch"
+    kernels = None  # no C++ kernels (CppOps has them: the sampler's argmax uses them too)
     small_batch = None  # no small-batch GEMM kernels (see pagedllm/execution/linear.py)
 
     def add_rms_norm(

@@ -79,7 +79,7 @@ class ModelRunner:
             for _ in range(self.groups.group_size)
         ]
         self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]
-        self.sampler = Sampler(seed, self.device, getattr(model.ops, "kernels", None))
+        self.sampler = Sampler(seed, self.device, model.ops.kernels)
         self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
         self.generators: dict[str, torch.Generator] = {}
         self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
