@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp", "sampling.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp", "sampling.cpp", "decode_layers.cpp")
 _HEADERS = ("common.h", "avx512.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -56,6 +56,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
+    "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -161,6 +162,8 @@ class CpuKernels:
             fn = getattr(library, f"packed_gemm_max_rows_{_SUFFIX[dtype]}")
             fn.restype = ctypes.c_int64
             self.packed_gemm_max_rows[dtype] = fn()
+        self._workspace = library.decode_layers_workspace
+        self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
         self.native_bf16 = self.packed_gemm_max_rows[torch.bfloat16] > 0
 
@@ -275,6 +278,24 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=x.dtype)
         self._fn("packed_gemm", x.dtype)(_ptr(x), _ptr(packed), _ptr(y), m, n, k)
         return y
+
+    def decode_layers_workspace(self, shape: ctypes.Structure) -> int:
+        """Workspace elements per row that `decode_layers` needs for this model's shape."""
+        return self._workspace(ctypes.addressof(shape))
+
+    def decode_layers(
+        self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, slots, cos, sin,
+        rows, seq_lens, tables,
+    ) -> None:  # fmt: skip
+        """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
+        and `shape` are its structs, built by pagedllm/execution/fused_decode.py, which checks
+        what the kernels cannot."""
+        _check(residual, out, workspace, final_norm, positions, slots, cos, sin, rows, seq_lens, tables)
+        self._fn("decode_layers", residual.dtype)(
+            ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
+            _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(slots), _ptr(cos), _ptr(sin), _ptr(rows),
+            _ptr(seq_lens), _ptr(tables), rows.shape[0], tables.shape[1],
+        )  # fmt: skip
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for float32 x [rows, cols] (cols >= 1): the first index of each

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
+from pagedllm.execution.attention import cpp_attention
 from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
+from pagedllm.execution.fused_decode import FusedDecode, FusedLayer, fused_decode_enabled
+from pagedllm.execution.fused_ops import CppOps, LayerOps, Rotary, TorchOps, rms_norm
 from pagedllm.execution.linear import Linear
 from pagedllm.models.loader import ModelConfig
 
@@ -136,6 +138,7 @@ class LlamaModel(nn.Module):
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
         self.lm_head_linear: Linear | None = None
+        self.fused_decode: FusedDecode | None = None  # decode-only steps in one C++ call, where it applies
 
     def load_hf_weights(
         self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
@@ -176,6 +179,38 @@ class LlamaModel(nn.Module):
         # copy would cost 108 MiB for SmolLM2, 640 MiB for Gemma 3).
         lm_head_kernels = kernels if self.lm_head.dtype == torch.bfloat16 else None
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend, lm_head_kernels)
+        self.fused_decode = self.build_fused_decode()
+
+    def build_fused_decode(self) -> FusedDecode | None:
+        """The one-call decode step (pagedllm/execution/fused_decode.py) where this model's layers are
+        plain llama ones on the C++ kernels with every projection packed, else None."""
+        c = self.config
+        plain = type(self) is LlamaModel and not c.attention_bias and not c.qk_norm and self.tp.size == 1
+        ops = self.ops
+        if not (plain and fused_decode_enabled() and isinstance(ops, CppOps) and self.attention is cpp_attention):
+            return None
+        linears = [
+            layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        ]
+        if any(linear.small_weight is None for linear in linears):
+            return None
+        layers = [
+            FusedLayer(
+                layer.input_norm,
+                layer.linears["qkv_proj"],
+                layer.linears["o_proj"],
+                layer.post_norm,
+                layer.linears["gate_up_proj"],
+                layer.linears["down_proj"],
+                layer.window,
+            )  # fmt: skip
+            for layer in self.layers
+        ]
+        first = self.layers[0]
+        return FusedDecode(
+            ops.kernels, layers, self.norm, self.rotary.cos32, self.rotary.sin32,
+            heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=c.rms_norm_eps,
+        )  # fmt: skip
 
     @staticmethod
     def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -193,6 +228,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """`kv_caches` and (with layer groups, core/layer_groups.py) `meta`: one per layer."""
         residual, delta = self.embed(input_ids), None
+        if self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
+            return self.fused_decode(residual, positions, kv_caches, meta)
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
             delta = layer(delta, residual, positions, kv_cache, layer_meta, self.rotary, self.attention, self.ops)
         return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)

@@ -1,0 +1,132 @@
+"""The one-call decode step (pagedllm/execution/fused_decode.py) gives the layer loop's output
+to the bit, runs only the steps it can, and is off where the model or kernels do not fit."""
+
+import pytest
+import torch
+from hf_reference import save_random_llama
+
+from pagedllm import LLM
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.execution.cpu_kernels import load_cpu_kernels
+from pagedllm.execution.fused_decode import FusedDecode
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ kernels do not build here")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fused-llama")
+    save_random_llama(
+        path,
+        hidden_size=256,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 64, groups of 2 query heads
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
+    return path
+
+
+def count_fused_steps(model, monkeypatch) -> list[int]:
+    """Rows of every step the fused path ran."""
+    rows: list[int] = []
+    original = FusedDecode.__call__
+
+    def counting(self, residual, *args):
+        rows.append(residual.shape[0])
+        return original(self, residual, *args)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    return rows
+
+
+def generate_both_ways(llm: LLM, prompts, params):
+    """The outputs without, then with the fused step (the engines run no prefix caching: a second
+    run would otherwise prefill less)."""
+    assert not llm.engine.config.enable_prefix_caching
+    model = llm.engine.runner.model
+    fused = model.fused_decode
+    try:
+        model.fused_decode = None
+        loop = llm.generate(prompts, params)
+    finally:
+        model.fused_decode = fused
+    return loop, llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, monkeypatch):
+    kernels = load_cpu_kernels()
+    llm = LLM(str(tiny_llama), dtype=dtype, block_size=8, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if kernels.packed_gemm_max_rows[getattr(torch, dtype)] == 0:  # bfloat16 without AVX512-BF16
+        assert model.fused_decode is None
+        return
+    assert model.fused_decode is not None
+    rows = count_fused_steps(model, monkeypatch)
+    max_rows = model.fused_decode.max_rows
+    gen = torch.Generator().manual_seed(3)
+    # More requests than the fused path takes at once in float32 with AVX-512 (32 rows): the
+    # wide steps run the loop, the narrow ones (as requests finish) the fused call.
+    lengths = [3, 9, 17, 33, 60] * 8
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 13, ignore_eos=True, logprobs=3) for i in range(40)]
+    loop, fused = generate_both_ways(llm, prompts, params)
+    assert rows and max(rows) <= max_rows
+    for a, b in zip(loop, fused):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # the same logits to the last bit
+    kv = llm.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_fused_decode_with_a_sliding_window(tmp_path, monkeypatch):
+    """A Mistral-style window: the fused path passes each layer's window to attention."""
+    save_random_llama(
+        tmp_path, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2,
+    )  # fmt: skip
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        layer.window = 12
+    model.fused_decode = model.build_fused_decode()
+    rows = count_fused_steps(model, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (4, 20, 31)]
+    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert rows
+    assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
+
+
+def test_fused_decode_is_off_where_it_does_not_fit(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
+    assert LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB").engine.runner.model.fused_decode is None
+    monkeypatch.delenv("PAGEDLLM_FUSED_DECODE")
+    assert (
+        LLM(
+            str(tiny_llama), dtype="float32", attention="torch", kv_cache_memory="8MiB"
+        ).engine.runner.model.fused_decode
+        is None
+    )
+    assert (
+        LLM(str(tiny_llama), dtype="float32", linear="onednn", kv_cache_memory="8MiB").engine.runner.model.fused_decode
+        is None
+    )
+
+
+def test_smollm2_decodes_the_same_through_the_fused_step(make_llm, monkeypatch):
+    """The real model, float32: the same tokens and logprobs with and without the fused step."""
+    llm = make_llm(kv_cache_memory="256MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if model.fused_decode is None:
+        pytest.skip("no packed_gemm for float32 in this build")
+    rows = count_fused_steps(model, monkeypatch)
+    tokenizer = llm.engine.tokenizer
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon")]
+    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2))
+    assert rows
+    assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
+    assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
