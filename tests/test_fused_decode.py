@@ -59,7 +59,7 @@ def generate_both_ways(llm: LLM, prompts, params):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, monkeypatch):
     kernels = load_cpu_kernels()
-    llm = LLM(str(tiny_llama), dtype=dtype, block_size=8, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama), dtype=dtype, block_size=8, kv_cache_memory="32MiB", enable_prefix_caching=False)
     model = llm.engine.runner.model
     if kernels.packed_gemm_max_rows[getattr(torch, dtype)] == 0:  # bfloat16 without AVX512-BF16
         assert model.fused_decode is None
@@ -68,13 +68,16 @@ def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, monk
     rows = count_fused_steps(model, monkeypatch)
     max_rows = model.fused_decode.max_rows
     gen = torch.Generator().manual_seed(3)
-    # More requests than the fused path takes at once in float32 with AVX-512 (32 rows): the
-    # wide steps run the loop, the narrow ones (as requests finish) the fused call.
-    lengths = [3, 9, 17, 33, 60] * 8
+    # 80 requests: in float32 (AVX-512: 32 rows) the wide steps run the loop, the narrower ones
+    # (as requests finish) the fused call; in bfloat16 (512 rows) steps of 64 rows or more split
+    # the rows between the threads, the narrower ones run each kernel on all threads.
+    lengths = [3, 9, 17, 33, 60] * 16
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 13, ignore_eos=True, logprobs=3) for i in range(40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 13, ignore_eos=True, logprobs=3) for i in range(80)]
     loop, fused = generate_both_ways(llm, prompts, params)
     assert rows and max(rows) <= max_rows
+    if max_rows >= 80:
+        assert max(rows) == 80 and min(rows) < 64
     for a, b in zip(loop, fused):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # the same logits to the last bit

@@ -7,7 +7,10 @@
 // core waited.  That was a quarter of a one-request step and ~3% of a 128-request one.
 // Only plain llama layers (no biases, no q/k norm), every projection packed for
 // packed_gemm, one KV cache per layer (pagedllm/execution/fused_decode.py checks).
+#include <omp.h>
+
 #include <cstdint>
+#include <vector>
 
 #include "common.h"
 
@@ -64,11 +67,13 @@ int64_t workspace_row(const DecodeShape& s) {
   return s.hidden + qkv + 2 * q + s.hidden + 3 * s.intermediate;
 }
 
+// The layers for m rows, with the kernels' own parallel regions (each splits its work over
+// the threads: a GEMM by output panels, attention by request and KV head).
 template <typename T, typename K>
-void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
-                   T* workspace, const T* final_norm, const int64_t* positions, const int64_t* slots,
-                   const float* cos, const float* sin, const int64_t* rows, const int64_t* seq_lens,
-                   const int64_t* tables, int64_t m, int64_t max_blocks) {
+void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
+                T* workspace, const T* final_norm, const int64_t* positions, const int64_t* slots, const float* cos,
+                const float* sin, const int64_t* rows, const int64_t* seq_lens, const int64_t* tables, int64_t m,
+                int64_t max_blocks) {
   const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
   T* h = workspace;
   T* qkv = h + m * s.hidden;
@@ -95,6 +100,65 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
     K::packed_gemm(act, static_cast<const T*>(layer.down_proj), delta, m, s.hidden, s.intermediate);
   }
   K::add_rms_norm(num_layers > 0 ? delta : nullptr, residual, final_norm, out, m, s.hidden, s.eps);
+}
+
+// With enough rows, each thread runs every layer for its own rows, start to end: a request's
+// rows depend on no other request's, so the threads never wait for each other (with the
+// kernels' regions, each of ~9 a layer ended at a barrier, and those waits were ~10% of a
+// 128-request step), and one thread's attention (bound by memory) overlaps another's
+// GEMMs (bound by FMAs).  Each thread then reads all the weights, so this needs rows enough
+// per thread for a GEMM to stay compute-bound: kMinRowsPerThread x the thread count.
+constexpr int64_t kMinRowsPerThread = 16;
+
+template <typename T, typename K>
+void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
+                   T* workspace, const T* final_norm, const int64_t* positions, const int64_t* slots,
+                   const float* cos, const float* sin, const int64_t* rows, const int64_t* seq_lens,
+                   const int64_t* tables, int64_t m, int64_t max_blocks) {
+  const int threads = omp_get_max_threads();
+  // Nested regions must run on one thread each (OpenMP's default), or the kernels' own regions
+  // would start teams inside the threads' ones.
+  const bool split = threads > 1 && m >= kMinRowsPerThread * threads * threads && !omp_in_parallel() &&
+                     omp_get_max_active_levels() <= 1;
+  if (!split)
+    return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, slots, cos, sin,
+                            rows, seq_lens, tables, m, max_blocks);
+  // Rows cut into one contiguous range a thread, balanced by cost: a row's projections, counted
+  // as the context tokens whose attention reads as long (at ~16 FLOP a byte, about this CPU's
+  // peak over its memory bandwidth), plus its request's context.
+  const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
+  const double flops = 2.0 * (s.hidden * qkv_size + q_size * s.hidden + 3.0 * s.hidden * s.intermediate);
+  const double kv_bytes = 2.0 * s.kv_heads * s.head_dim * sizeof(T);
+  const double row_cost = flops / 16.0 / kv_bytes;
+  std::vector<int64_t> request_of_row(m, -1);
+  for (int64_t i = 0; i < m; ++i) request_of_row[rows[i]] = i;
+  double total = 0;
+  for (int64_t i = 0; i < m; ++i) total += row_cost + seq_lens[i];
+  std::vector<int64_t> bounds(threads + 1, m);
+  bounds[0] = 0;
+  double sum = 0;
+  for (int64_t r = 0, t = 1; r < m && t < threads; ++r) {
+    sum += row_cost + seq_lens[request_of_row[r]];
+    if (sum >= total * t / threads) bounds[t++] = r + 1;
+  }
+  const int64_t row_size = workspace_row(s);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t a = bounds[t], n = bounds[t + 1] - a;
+    if (n > 0) {
+      std::vector<int64_t> my_rows(n), my_lens(n), my_tables(n * max_blocks);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t i = request_of_row[a + r];
+        my_rows[r] = r;
+        my_lens[r] = seq_lens[i];
+        std::memcpy(&my_tables[r * max_blocks], tables + i * max_blocks, max_blocks * sizeof(int64_t));
+      }
+      run_layers<T, K>(layers, num_layers, s, residual + a * s.hidden, out + a * s.hidden, workspace + a * row_size,
+                       final_norm, positions + a, slots + a, cos, sin, my_rows.data(), my_lens.data(),
+                       my_tables.data(), n, max_blocks);
+    }
+  }
 }
 
 }  // namespace
