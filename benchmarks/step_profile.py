@@ -14,6 +14,10 @@ the timed steps, and they are aborted afterwards.
 - engine overhead: scheduling, copy-on-write block copies, building the step's
   tensors, and updating requests (append, stops, detokenizing, outputs),
   plus whatever of `LLMEngine.step()` none of the above covers.
+
+Where a decode-only step runs all layers in one C++ call (pagedllm/execution/fused_decode.py),
+attention happens inside it and is not timed apart; `--no-fused` runs the Python layer
+loop instead, where it is.  Each result says which ran (`fused_decode`).
 """
 
 from __future__ import annotations
@@ -95,9 +99,11 @@ def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) 
     math = totals["forward"] + totals["lm_head"] + totals["sampler"]
     overhead = wall - math
     per_step = {name: round(value / steps * 1e3, 2) for name, value in sorted(totals.items())}
+    fused = model.fused_decode
     return {
         "batch": batch,
         "context": context,
+        "fused_decode": fused is not None and batch <= fused.max_rows,
         "step_ms": round(wall / steps * 1e3, 2),
         "ms_per_step": per_step,
         "model_math_ms": round(math / steps * 1e3, 2),
@@ -113,8 +119,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--no-fused", action="store_true", help="run the Python layer loop, attention timed apart")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
+    if args.no_fused:
+        engine.runner.model.fused_decode = None
     print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}")
     results = []
     for seed, batch in enumerate(args.batch):
