@@ -3,8 +3,9 @@
 // It runs the kernels the Python layer loop calls, in the same order on the same buffers
 // (add_rms_norm, packed_gemm, rope_write_kv, paged decode attention, silu_mul), so its
 // output is the same to the bit; what it saves is the Python between them: ~9 calls a
-// layer, ~3.5 ms a step on a 2-core Zen 4 for SmolLM2's 30 layers, during which the other
-// core waited.  That was a quarter of a one-request step and ~3% of a 128-request one.
+// layer, for SmolLM2's 30 layers on a 2-core Zen 4 (bfloat16) 4.7 ms of a one-request
+// step's 16.4 (0.71x the time in one call), during which the other core waited; 0.92x the
+// time at 64 and 128 requests, with the row split below (benchmarks/fused_decode.py).
 // Only plain llama layers (no biases, no q/k norm), every projection packed for
 // packed_gemm, one KV cache per layer (pagedllm/execution/fused_decode.py checks).
 #include <omp.h>
@@ -104,8 +105,8 @@ void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape
 
 // With enough rows, each thread runs every layer for its own rows, start to end: a request's
 // rows depend on no other request's, so the threads never wait for each other (with the
-// kernels' regions, each of ~9 a layer ended at a barrier, and those waits were ~10% of a
-// 128-request step), and one thread's attention (bound by memory) overlaps another's
+// kernels' regions, each of ~9 a layer ended at a barrier, and the threads spent 6-11% of
+// a 128-request step waiting in OpenMP), and one thread's attention (bound by memory) overlaps another's
 // GEMMs (bound by FMAs).  Each thread then reads all the weights, so this needs rows enough
 // per thread for a GEMM to stay compute-bound: kMinRowsPerThread x the thread count.
 constexpr int64_t kMinRowsPerThread = 16;
