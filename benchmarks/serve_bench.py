@@ -92,6 +92,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
         "--max-num-seqs",
         str(config.max_num_seqs),
     ]
+    flags += ["--prefill-tokens-with-decodes", str(config.prefill_tokens_with_decodes).lower()]
     if config.max_model_len:
         flags += ["--max-model-len", str(config.max_model_len)]
     if config.num_threads:
@@ -116,7 +117,7 @@ def main() -> int:
     parser.add_argument("--served-model", default="default", help="the model name to send with --url")
     parser.add_argument("--vllm-python", default=None, help="also start and replay against vLLM from this venv")
     parser.add_argument("--output", default=None)
-    add_engine_args(parser)
+    add_engine_args(parser, serving=True)
     args = parser.parse_args()
     config = engine_config(args)
     requests = load_workload(args.workload, args.num_requests)
@@ -141,7 +142,12 @@ def main() -> int:
         ratio = result["served"]["output_tokens_per_s"] / result["offline"]["output_tokens_per_s"]
         result["served_over_offline"] = round(ratio, 3)
     dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
-    result["engine"] = {"dtype": dtype, "block_size": config.block_size, "kv_cache_memory": args.kv_cache_memory}
+    result["engine"] = {
+        "dtype": dtype,
+        "block_size": config.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "prefill_tokens_with_decodes": config.prefill_tokens_with_decodes,
+    }
     if args.vllm_python:
         model = config.model or "smollm2"
         if model not in BUNDLED_MODELS:

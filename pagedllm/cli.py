@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound: more waiting requests get a 429")
     p.add_argument("--max-body-size", default="4MiB", help="larger request bodies get a 413")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_engine_args(p)
+    add_engine_args(p, serving=True)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import SERVE_PREFILL_TOKENS_WITH_DECODES, EngineConfig
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -19,8 +19,9 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
-def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """Engine flags; with `sweep`, --block-size takes a comma-separated list (bench)."""
+def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False, serving: bool = False) -> None:
+    """Engine flags; with `sweep`, --block-size takes a comma-separated list (bench); `serving`
+    takes the server's defaults (a capped prefill share while requests decode)."""
     defaults = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
     g.add_argument(
@@ -92,6 +93,13 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False) -> Non
         type=int,
         default=defaults["max_num_batched_tokens"].default,
         help="token budget of one step (prefill chunks + decodes)",
+    )
+    g.add_argument(
+        "--prefill-tokens-with-decodes",
+        type=_optional_positive_int,
+        default=SERVE_PREFILL_TOKENS_WITH_DECODES if serving else defaults["prefill_tokens_with_decodes"].default,
+        help="most prompt tokens in a step that also carries decodes; lower: steadier inter-token latency, "
+        "less throughput (none: the whole step budget)",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=defaults["max_num_seqs"].default, help="most requests running at once"
@@ -172,6 +180,18 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     s.add_argument("--grammar", default=None, help="the reply follows this grammar (Lark or GBNF): a file, or the text")
 
 
+def _optional_positive_int(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}")
+    return value
+
+
 def engine_config(args: argparse.Namespace, block_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -187,6 +207,7 @@ def engine_config(args: argparse.Namespace, block_size: int | None = None) -> En
         enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         max_model_len=args.max_model_len,
         attention=args.attention,
         linear=args.linear,

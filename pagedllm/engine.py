@@ -109,7 +109,9 @@ class LLMEngine:
             self.kv_cache = KVCacheManager(
                 num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
             )
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_tokens_with_decodes
+        )
         tokens = num_blocks * config.block_size
         c = model_config
         logger.info(

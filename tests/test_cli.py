@@ -223,3 +223,24 @@ def test_generate_with_a_json_schema_file(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["city"] in ("Paris", "Rome")
     assert main(["generate", "hi", "--regex", "(", "--log-level", "WARNING"]) == 2
     assert "invalid regex" in capsys.readouterr().err
+
+
+def test_only_the_server_caps_prefill_beside_decodes_by_default():
+    from pagedllm.cli import build_parser
+    from pagedllm.cli_args import engine_config
+    from pagedllm.config import SERVE_PREFILL_TOKENS_WITH_DECODES
+
+    parser = build_parser()
+    serve = engine_config(parser.parse_args(["serve"]))
+    assert serve.prefill_tokens_with_decodes == SERVE_PREFILL_TOKENS_WITH_DECODES
+    assert (
+        engine_config(parser.parse_args(["serve", "--prefill-tokens-with-decodes", "none"])).prefill_tokens_with_decodes
+        is None
+    )
+    assert engine_config(parser.parse_args(["generate", "hi"])).prefill_tokens_with_decodes is None
+    assert (
+        engine_config(parser.parse_args(["chat", "--prefill-tokens-with-decodes", "64"])).prefill_tokens_with_decodes
+        == 64
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-tokens-with-decodes", "0"])

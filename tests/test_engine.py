@@ -131,3 +131,45 @@ def test_interrupted_generate_frees_its_requests(llm, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two", "three"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert engine.kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def _staggered_run(llm, prompts: list[str]) -> tuple[dict[str, list[int]], list[int]]:
+    """The first prompt decodes before the others arrive; returns every request's tokens and the
+    prompt tokens of each step that also carried a decode."""
+    engine, mixed_prefill = llm.engine, []
+    real_schedule = engine.scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        if any(c.num_new_tokens == 1 for c in out.scheduled):
+            mixed_prefill.append(sum(c.num_new_tokens for c in out.scheduled if c.num_new_tokens > 1))
+        return out
+
+    engine.scheduler.schedule = schedule
+    try:
+        ids = [engine.add_request(prompts[0], greedy(24))]
+        for _ in range(2):
+            engine.step()
+        ids += [engine.add_request(p, greedy(12)) for p in prompts[1:]]
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    tokens[output.request_id] = output.outputs[0].token_ids
+    finally:
+        engine.scheduler.schedule = real_schedule
+    return {str(i): tokens[rid] for i, rid in enumerate(ids)}, mixed_prefill
+
+
+def test_capped_prefill_beside_decodes_gives_the_same_tokens(make_llm):
+    prompts = [
+        "Write a short poem about the sea.",
+        "Explain in detail how a hash table handles collisions, with an example in Python code. " * 3,
+        "What is the capital of France?",
+        "List five prime numbers and say why each is prime.",
+    ]
+    free, free_mixed = _staggered_run(make_llm(), prompts)
+    capped, capped_mixed = _staggered_run(make_llm(prefill_tokens_with_decodes=8), prompts)
+    assert capped == free
+    assert max(free_mixed) > 8  # uncapped, the long prompt shares one step with the decode
+    assert max(capped_mixed) <= 8 and sum(map(bool, capped_mixed)) > sum(map(bool, free_mixed))

@@ -1,5 +1,6 @@
 import pytest
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus
 from pagedllm.core.sampling_params import SamplingParams
@@ -122,3 +123,37 @@ def test_abort_waiting_and_running_frees_blocks():
     s.finish(b, FinishReason.ABORT)
     assert kv.num_free_blocks == 8 and s.num_unfinished == 0
     assert a.finish_reason == b.finish_reason == FinishReason.ABORT
+
+
+def test_prefill_cap_applies_only_while_some_request_decodes():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, prefill_tokens_with_decodes=6)
+    a, b, c = make_request("a", 20, max_tokens=10), make_request("b", 15, max_tokens=2), make_request("c", 4)
+    s.add_request(a)
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 20)]  # nobody decodes yet
+    s.add_request(b)
+    s.add_request(c)
+    out, _ = run_step(s)
+    # a decodes; b's prompt gets only the capped share, and c waits behind it for budget
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 6)]
+    assert out.admission_blocked_by == "budget"
+    out, _ = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 6)]
+    out, _ = run_step(s)
+    # b's last 3 prompt tokens leave 3 of the cap for c's 4-token prompt
+    assert [(x.request.request_id, x.start, x.num_new_tokens) for x in out.scheduled] == [
+        ("a", 22, 1),
+        ("b", 12, 3),
+        ("c", 0, 3),
+    ]
+    while s.num_unfinished:
+        run_step(s)
+    assert b.num_output_tokens == 2 and c.num_output_tokens == 4 and kv.num_free_blocks == 64
+
+
+def test_prefill_cap_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_tokens_with_decodes"):
+        Scheduler(KVCacheManager(num_blocks=4, block_size=4), 64, 8, prefill_tokens_with_decodes=0)
+    with pytest.raises(ValueError, match="prefill_tokens_with_decodes"):
+        EngineConfig(prefill_tokens_with_decodes=-3)

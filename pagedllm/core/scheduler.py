@@ -4,7 +4,10 @@ Pure Python.  One rule covers prefill, chunked prefill and decode: a request
 has `num_computed_tokens`; each step gives it up to `num_tokens -
 num_computed_tokens` more, within the step's token budget.  Running requests
 are served first (in arrival order), then waiting requests are admitted first
-come first served.  When the cache runs out of blocks, the latest-arrived
+come first served.  While some request decodes, the step's prefill tokens
+(running chunks and admissions together) are capped at
+`prefill_tokens_with_decodes`: a long prompt then arrives over several short
+steps instead of stalling every decode behind one long step.  When the cache runs out of blocks, the latest-arrived
 running request is preempted: it gives back all its blocks and waits, to be
 recomputed later.
 """
@@ -66,13 +69,22 @@ KVCache = KVCacheManager | ContiguousKVCacheManager
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        prefill_tokens_with_decodes: int | None = None,
+    ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if prefill_tokens_with_decodes is not None and prefill_tokens_with_decodes < 1:
+            raise ValueError(f"prefill_tokens_with_decodes must be at least 1, got {prefill_tokens_with_decodes}")
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_tokens_with_decodes = prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -100,12 +112,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         self.kv_cache.begin_step()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:  # the prefill share is spent: this chunk waits, later decodes still run
+                    index += 1
+                    continue
+                prefill_budget -= num_new
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request preempted itself: it was the latest arrival
             if num_new > 1:  # a prefill chunk: its full blocks can serve this step's admissions
@@ -120,7 +139,7 @@ class Scheduler:
             if output.preempted:
                 output.admission_blocked_by = "memory"
                 break
-            if budget <= 0:
+            if budget <= 0 or prefill_budget <= 0:
                 output.admission_blocked_by = "budget"
                 break
             if len(self.running) >= self.max_num_seqs:
@@ -129,7 +148,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(request.token_ids)
             num_cached = self.kv_cache.cached_tokens(cached)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             if (
                 self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, request.max_total_tokens, cached)
                 is None
@@ -147,7 +166,17 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(self._chunk(request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return output
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: the whole budget, or the cap when some request decodes."""
+        cap = self.prefill_tokens_with_decodes
+        if cap is None or cap >= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return cap
+        return self.max_num_batched_tokens
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
