@@ -131,6 +131,11 @@ class LLMEngine:
             self.max_model_len,
             tokens / built.groups.num_groups / self.max_model_len,
         )
+        logger.info(
+            "step budget %d tokens; beside decodes at most %s prompt tokens a step",
+            config.max_num_batched_tokens,
+            config.prefill_tokens_with_decodes or config.max_num_batched_tokens,
+        )
         if tp.size > 1:
             for m in self.rank_memory:
                 logger.info(
