@@ -7,9 +7,9 @@ are served first (in arrival order), then waiting requests are admitted first
 come first served.  While some request decodes, the step's prefill tokens
 (running chunks and admissions together) are capped at
 `prefill_tokens_with_decodes`: a long prompt then arrives over several short
-steps instead of stalling every decode behind one long step.  When the cache runs out of blocks, the latest-arrived
-running request is preempted: it gives back all its blocks and waits, to be
-recomputed later.
+steps instead of stalling every decode behind one long step.  When the cache
+runs out of blocks, the latest-arrived running request is preempted: it gives
+back all its blocks and waits, to be recomputed later.
 """
 
 from __future__ import annotations
