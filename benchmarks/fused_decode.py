@@ -15,17 +15,13 @@ median and fastest step of each and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-import torch
+from step_profile import run_batches, start_decoding  # this folder's profile: the same requests, the same report
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.cpu_kernels import cpu_summary
 
 
 def run(engine: LLMEngine, batch: int, context: int, rounds: int, block: int, seed: int) -> dict:
@@ -35,15 +31,7 @@ def run(engine: LLMEngine, batch: int, context: int, rounds: int, block: int, se
         raise SystemExit("the fused decode step does not apply to this model, dtype or CPU")
     if batch > fused.max_rows:
         raise SystemExit(f"batch {batch} is over the fused step's {fused.max_rows} rows")
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.model_config.vocab_size
-    steps = 2 * rounds * block
-    params = SamplingParams(temperature=0.0, max_tokens=batch + steps + 8, ignore_eos=True)
-    ids = [f"f{seed}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params, request_id)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    ids = start_decoding(engine, batch, context, 2 * rounds * block + 2, seed, "f")
     for _ in range(2):
         engine.step()  # warm both paths' buffers
     times: dict[str, list[float]] = {"fused": [], "loop": []}
@@ -86,16 +74,11 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
-    print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}")
-    results = []
-    for seed, batch in enumerate(args.batch):
-        result = run(engine, batch, args.context, args.rounds, args.block, seed)
-        print(json.dumps(result))
-        results.append(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        summary = {"dtype": str(engine.dtype), "cpu": cpu_summary(), "results": results}
-        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+
+    def measure(batch: int, seed: int) -> dict:
+        return run(engine, batch, args.context, args.rounds, args.block, seed)
+
+    run_batches(engine, args.batch, measure, args.output)
 
 
 if __name__ == "__main__":

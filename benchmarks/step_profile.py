@@ -47,16 +47,36 @@ def timed(totals: dict[str, float], name: str, fn):
     return wrapper
 
 
-def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> dict:
+def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, seed: int, prefix: str) -> list[str]:
+    """`batch` requests of random `context`-token prompts, prefilled (untimed); returns their ids."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     # Long enough that nobody finishes during the prefill steps (up to batch of them) or the timed ones.
     params = SamplingParams(temperature=0.0, max_tokens=batch + steps + 8, ignore_eos=True)
-    ids = [f"p{seed}-{i}" for i in range(batch)]
+    ids = [f"{prefix}{seed}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params, request_id)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill (and the first decodes) untimed
+    return ids
+
+
+def run_batches(engine: LLMEngine, batches: list[int], measure, output: str | None) -> None:
+    """measure(batch, seed) -> a result for each batch, printed; all of them written to `output`."""
+    print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}")
+    results = []
+    for seed, batch in enumerate(batches):
+        result = measure(batch, seed)
+        print(json.dumps(result))
+        results.append(result)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        summary = {"dtype": str(engine.dtype), "cpu": cpu_summary(), "results": results}
+        Path(output).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) -> dict:
+    ids = start_decoding(engine, batch, context, steps, seed, "p")
 
     totals: dict[str, float] = defaultdict(float)
     runner, model = engine.runner, engine.runner.model
@@ -124,16 +144,11 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
     if args.no_fused:
         engine.runner.model.fused_decode = None
-    print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}")
-    results = []
-    for seed, batch in enumerate(args.batch):
-        result = profile(engine, batch, args.context, args.steps, seed)
-        print(json.dumps(result))
-        results.append(result)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        summary = {"dtype": str(engine.dtype), "cpu": cpu_summary(), "results": results}
-        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+
+    def measure(batch: int, seed: int) -> dict:
+        return profile(engine, batch, args.context, args.steps, seed)
+
+    run_batches(engine, args.batch, measure, args.output)
 
 
 if __name__ == "__main__":
