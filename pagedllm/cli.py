@@ -96,27 +96,30 @@ def check_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> No
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    import uvicorn
-
     from pagedllm.config import parse_bytes
     from pagedllm.engine import LLMEngine
     from pagedllm.models.loader import resolve_model_path
     from pagedllm.serving.api_server import ServerSettings, build_app
     from pagedllm.serving.async_engine import AsyncLLMEngine
+    from pagedllm.serving.service import ServingServer, bind_socket
     from pagedllm.text.tokenizer import Tokenizer
 
     if args.model_positional is not None:
         if args.model is not None and args.model != args.model_positional:
             raise ValueError(f"two models given: {args.model_positional!r} and --model {args.model!r}; pass one")
         args.model = args.model_positional
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     config = engine_config(args)
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_model_name(config.model),
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         max_body_bytes=parse_bytes(args.max_body_size),
     )
+    sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a moment
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
     app = build_app(engine, Tokenizer(resolve_model_path(config.model)), settings)
+    server = ServingServer(app, engine, args, sock)
     logging.getLogger("pagedllm").info(
         "serving %r on http://%s:%d/v1 (dashboard: /dashboard, metrics: /metrics)%s",
         settings.served_model_name,
@@ -124,14 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         "; API key required" if settings.api_key else "",
     )
-    log_level = args.log_level.lower()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level, access_log=args.access_log)
-    )
     workers = engine.engine.workers
     if workers is not None:  # a dead tensor-parallel rank ends the server rather than leaving it half alive
         workers.on_failure.append(lambda error: setattr(server, "should_exit", True))
-    server.run()
+    server.run(sockets=[sock])
     if workers is not None and workers.failure is not None:
         print(f"pagedllm: error: {workers.failure}", file=sys.stderr)
         return 1
@@ -176,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound: more waiting requests get a 429")
     p.add_argument("--max-body-size", default="4MiB", help="larger request bodies get a 413")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are aborted "
+        "(a second signal exits at once)",
+    )
     add_engine_args(p, serving=True)
     p.set_defaults(func=cmd_serve)
 

@@ -19,7 +19,7 @@ from pagedllm.core.kv_metrics import KVMemoryTracker
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.request import FinishReason, Request
 from pagedllm.core.request_group import RequestGroup, text_token_ids
-from pagedllm.core.sampling_params import SamplingParamError, SamplingParams
+from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.distributed.tensor_parallel import (
@@ -33,6 +33,13 @@ from pagedllm.text.detokenizer import IncrementalDetokenizer
 from pagedllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
+
+
+MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine stops
+
+
+class EngineStepError(RuntimeError):
+    """The engine cannot compute any more (its forward pass keeps failing); it serves nothing more."""
 
 
 @dataclass
@@ -154,6 +161,8 @@ class LLMEngine:
         self._beam_ids = itertools.count(1)  # sequence ids of forked beams
         self.stats = EngineStats()
         self.memory = KVMemoryTracker()
+        self._step_failures = 0  # forward-pass failures in a row
+        self._step_error = ""
 
     def _layout_description(self) -> str:
         config = self.config
@@ -216,6 +225,11 @@ class LLMEngine:
         for sequence in sequences:
             self._register(group, sequence)
         return request_id
+
+    def prepare_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile a constraint and build its first matcher now, on the calling thread (any thread), so
+        that adding the request later costs a copy: a big schema's matcher takes seconds to build."""
+        self.runner.structured.prepare(spec)
 
     def _add_beam_search(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         """A beam-search request starts as one sequence; each step its live beams fork into the next ones."""
@@ -288,14 +302,28 @@ class LLMEngine:
         """One engine step: schedule, run the model, update the requests."""
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
-        outputs = self._update(scheduled, result)
+        outputs = self._update(scheduled, result) if result is not None else self._fail_step(scheduled)
         if self.threads is not None:
             self.threads.after_step()
         return outputs
 
-    def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's model output; None when the shared forward pass failed (the rule in `_fail_step`)."""
         if self.workers is None:
-            return self.runner.execute(scheduled)
+            try:
+                result = self.runner.execute(scheduled)
+            except Exception as error:
+                self._step_failures += 1
+                if self._step_failures >= MAX_FAILED_STEPS:
+                    raise EngineStepError(
+                        f"{self._step_failures} steps in a row failed in the model's forward pass; "
+                        f"the last failure: {error!r}"
+                    ) from error
+                logger.exception("a step's forward pass failed; its requests end with an error")
+                self._step_error = f"the model step failed: {error!r}"
+                return None
+            self._step_failures = 0
+            return result
         self.workers.check()
         try:
             return self.runner.execute(scheduled)
@@ -321,8 +349,14 @@ class LLMEngine:
         stats.steps += 1
         stats.peak_running = max(stats.peak_running, len(scheduled.scheduled))
         stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
+        # A fault in one sequence's sampling fails its whole request (every sample of it).
+        failed = {self._group_of[s].request_id: (self._group_of[s], why) for s, why in result.failed.items()}
         # Beams do not take their sampled token: the search chooses among their candidates below.
-        candidates = {s: result.logprobs[s][1] for s in result.sampled if self._group_of[s].beam is not None}
+        candidates = {
+            s: result.logprobs[s][1]
+            for s in result.sampled
+            if self._group_of[s].beam is not None and self._group_of[s].request_id not in failed
+        }
         sampled = {s: token for s, token in result.sampled.items() if s not in candidates}
         for seq_id in sampled:
             if seq_id in result.logprobs:
@@ -330,24 +364,60 @@ class LLMEngine:
         self.scheduler.update(scheduled, sampled)
 
         updated: dict[str, RequestGroup] = {}
+        for group, why in failed.values():
+            self._fail_group(group, why)
+            updated[group.request_id] = group
         for group in {self._group_of[s].request_id: self._group_of[s] for s in candidates}.values():
             if self._advance_beams(group, candidates):
                 updated[group.request_id] = group
-        for seq_id in sampled:
-            sequence = self.requests[seq_id]
-            group = self._group_of[seq_id]
-            index = group.sequences.index(sequence)
-            delta, hit_stop = group.detokenizers[index].update(
-                text_token_ids(sequence, self.eos_token_id), sequence.finished
-            )
-            if hit_stop and not sequence.finished:
+        for seq_id in result.exhausted:  # no token is allowed: the rule in SamplingParams ends it here
+            sequence = self.requests.get(seq_id)
+            if sequence is not None and not sequence.finished:
                 self.scheduler.finish(sequence, FinishReason.STOP)
-            group.deltas[index] += delta
-            group.first_token_time = group.first_token_time or sequence.first_token_time
+        for seq_id in [*sampled, *result.exhausted]:
+            group = self._group_of.get(seq_id)
+            if group is None or group.request_id in failed:
+                continue
+            try:
+                self._detokenize(group, self.requests[seq_id])
+            except Exception as error:  # this request's text alone
+                logger.exception("detokenizing %s failed", seq_id)
+                self._fail_group(group, f"detokenization failed: {error!r}")
             updated[group.request_id] = group
         outputs = [self._output(group) for group in updated.values()]
         self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
         return outputs
+
+    def _detokenize(self, group: RequestGroup, sequence: Request) -> None:
+        index = group.sequences.index(sequence)
+        ids = text_token_ids(sequence, self.eos_token_id)
+        delta, hit_stop = group.detokenizers[index].update(ids, sequence.finished)
+        if hit_stop and not sequence.finished:
+            self.scheduler.finish(sequence, FinishReason.STOP)
+        group.deltas[index] += delta
+        group.first_token_time = group.first_token_time or sequence.first_token_time
+
+    def _fail_group(self, group: RequestGroup, why: str) -> None:
+        """End every sequence of a request with an error and free their blocks; the others go on."""
+        group.error = group.error or why
+        for sequence in reversed(group.sequences):
+            self.scheduler.finish(sequence, FinishReason.ERROR)
+
+    def _fail_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """The forward pass is shared by every request in the step, so a failure there belongs to no one
+        request: each request of the step ends with the error and frees its blocks, nothing of the step
+        is counted as computed (or cached), and the engine goes on with the rest.  `MAX_FAILED_STEPS`
+        failures in a row mean the engine cannot compute at all: then `step` raises EngineStepError."""
+        groups = {}
+        for chunk in scheduled.scheduled:
+            for sequence in (chunk.request, *chunk.forks):
+                group = self._group_of.get(sequence.request_id)
+                if group is not None:
+                    groups[group.request_id] = group
+        for group in groups.values():
+            self._fail_group(group, self._step_error)
+        self.stats.steps += 1
+        return [self._output(group) for group in groups.values()]
 
     def _advance_beams(self, group: RequestGroup, candidates: dict[str, list[tuple[int, float]]]) -> bool:
         """One beam-search step for a group whose beams all computed this step; True once it is done."""
@@ -370,7 +440,7 @@ class LLMEngine:
                 self.max_model_len,
                 arrival_time=parent.arrival_time,
             )
-            child.token_ids = [*parent.token_ids, beam.token_id]
+            child.adopt_output([*parent.output_token_ids, beam.token_id])
             child.first_token_time = group.first_token_time = group.first_token_time or time.monotonic()
             self.scheduler.fork(parent, child)  # shares every block; the last one is copied when written
             children.append(child)

@@ -28,6 +28,7 @@ def free_port() -> int:
 class Server:
     url: str  # http://127.0.0.1:PORT
     api_key: str | None
+    pid: int | None = None  # the server's process (subprocess servers)
 
     @property
     def v1(self) -> str:
@@ -76,7 +77,7 @@ def serve_subprocess(*args: str, api_key: str | None = API_KEY, timeout: float =
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout, process)
-        yield Server(url, api_key)
+        yield Server(url, api_key, process.pid)
     finally:
         stop_process(process, 30)
 

@@ -59,7 +59,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
-                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    output_tokens += sum(c.num_tokens for c in output.outputs)
                     ttfts.append(output.time_to_first_token or 0.0)
                     bar.update(1)
     wall = time.perf_counter() - start

@@ -19,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's maximum length
     ABORT = "abort"
+    ERROR = "error"  # a fault while handling this request ended it (RequestOutput.error says which)
 
 
 @dataclass(eq=False)  # requests are compared by identity
@@ -50,6 +51,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []  # kept beside token_ids so reading it copies nothing
+
+    def adopt_output(self, output_token_ids: list[int]) -> None:
+        """Start from these output tokens (a beam that extends its parent's)."""
+        self.token_ids = [*self.prompt_token_ids, *output_token_ids]
+        self._output_token_ids = list(output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,7 +72,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        """The generated tokens: the sequence's own list, which only grows (never mutate it)."""
+        return self._output_token_ids
 
     @property
     def max_total_tokens(self) -> int:
@@ -79,6 +87,7 @@ class Request:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token; return why the request must stop, if it must."""
         self.token_ids.append(token_id)
+        self._output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         params = self.sampling_params

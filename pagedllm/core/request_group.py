@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.core.beam_search import BeamSearchState, Hypothesis
-from pagedllm.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.core.request import FinishReason, Request
 
 if TYPE_CHECKING:  # the engine hands each group its detokenizers; the core never builds one
@@ -40,6 +40,7 @@ class RequestGroup:
     beam: BeamSearchState | None = None  # beam search: `sequences` are the live beams
     num_returned: int = 1  # beam search: how many of the best hypotheses to return
     first_token_time: float | None = None
+    error: str | None = None  # what ended the request, when a fault did
     deltas: list[str] = field(init=False)  # text each sequence added since the last output
 
     def __post_init__(self) -> None:
@@ -61,34 +62,32 @@ class RequestGroup:
             outputs=completions,
             finished=all(c.finished for c in completions),
             time_to_first_token=(self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            error=self.error,
         )
 
     def _completion(self, index: int) -> CompletionOutput:
         sequence = self.sequences[index]
-        logprobs = None
-        if sequence.sampling_params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(token, lp, top) for token, (lp, top) in zip(sequence.output_token_ids, sequence.logprobs)
-            ]
+        # The sequence's own lists, read up to this length (outputs.py): nothing is copied per step.
         return CompletionOutput(
             index=index,
             text=self.detokenizers[index].text,
             token_ids=sequence.output_token_ids,
             finished=sequence.finished,
             finish_reason=sequence.finish_reason.value if sequence.finish_reason else None,
-            logprobs=logprobs,
+            logprobs=sequence.logprobs if sequence.sampling_params.logprobs is not None else None,
             num_preemptions=sequence.num_preemptions,
             delta=self.deltas[index],
+            num_tokens=sequence.num_output_tokens,
         )
 
     def _beam_completions(self, decode: Callable[[list[int]], str]) -> list[CompletionOutput]:
         beam = self.beam
         if beam.done:
             hypotheses, reason = beam.finished[: self.num_returned], None
-        else:  # aborted mid-search: what the live beams hold
+        else:  # aborted or failed mid-search: what the live beams hold
             live = zip(self.sequences, beam.live_scores)
             hypotheses = [Hypothesis(tuple(s.output_token_ids), lp, lp) for s, lp in live]
-            reason = FinishReason.ABORT.value
+            reason = (FinishReason.ERROR if self.error is not None else FinishReason.ABORT).value
         completions = []
         for index, hyp in enumerate(hypotheses):
             ends_with_eos = bool(hyp.token_ids) and hyp.token_ids[-1] == beam.eos_token_id

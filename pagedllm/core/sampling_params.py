@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 MAX_N = 256  # samples per request: each is a sequence with its own blocks once it diverges
+# Bounds on list-valued settings: each costs work every step (stop strings are searched in
+# every new piece of text, bad words checked per step), so one request must not bring thousands.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 1024  # beam search asks for 2 x beam_width
+MAX_SEED = 2**63 - 1 - MAX_N  # n samples draw with seed + index, which torch takes as a 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -20,8 +30,15 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # JSON (a schema or json_object): "compact" allows no whitespace beyond the grammar engine's
+    # compact separators; "flexible" allows any (a small model may then pad its reply with newlines).
+    whitespace: str = "compact"
 
     def __post_init__(self) -> None:
+        if self.whitespace not in ("compact", "flexible"):
+            raise SamplingParamError(
+                "structured_output", f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}"
+            )
         given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
             ["json_object"] if self.json_object else []
         )
@@ -70,6 +87,14 @@ class SamplingParams:
     `bad_words_token_ids`), and a word's last token is banned whenever the tokens before
     it have just been generated.
 
+    When the rules leave a step no token to choose (a complete grammar allows only EOS while
+    `min_tokens` bans it; `bad_words` cover every token a grammar allows), the request ends
+    there with finish reason "stop" and no further token: a complete grammar wins over
+    `min_tokens`, and nothing is sampled from outside what the rules allow.  NaN logits count
+    as forbidden; a row with nothing else left ends the same way.  The sampler never returns
+    an id outside the vocabulary.  Every number must be finite (NaN and infinities are
+    refused), and list-valued settings are bounded (`MAX_STOP_STRINGS` and the rest above).
+
     `beam_width=W > 1` turns on beam search (see `pagedllm/core/beam_search.py`):
     sampling settings are ignored, `length_penalty` and `early_stopping` act as
     in transformers, and the request returns its best `n` (at most W)
@@ -112,57 +137,63 @@ class SamplingParams:
         def bad(message: str) -> SamplingParamError:
             return SamplingParamError(message.split(" ", 1)[0], message)  # every message starts with its field
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
-        if (
-            not isinstance(self.beam_width, int)
-            or isinstance(self.beam_width, bool)
-            or not 1 <= self.beam_width <= MAX_N
-        ):
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
             raise bad(f"beam_width must be an integer from 1 to {MAX_N}, got {self.beam_width!r}")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise bad(f"n ({self.n}) cannot exceed beam_width ({self.beam_width}): it counts returned beams")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise bad(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not _is_finite(self.length_penalty):
+            raise bad(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+        if not _is_int(self.max_tokens):
             raise bad(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise bad(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad(f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be non-negative integers, got {_short(self.stop_token_ids)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not _is_finite(value) or not -2.0 <= value <= 2.0:
                 raise bad(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be a number > 0 (1: off), got {self.repetition_penalty!r}")
-        if not isinstance(self.logit_bias, dict) or any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 or not _is_number(v) or not -100 <= v <= 100
-            for t, v in self.logit_bias.items()
-        ):
-            raise bad(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids")
+        bias = self.logit_bias.items()
+        if any(not _is_int(t) or t < 0 or not _is_finite(v) or not -100 <= v <= 100 for t, v in bias):
+            raise bad(f"logit_bias must map token ids (>= 0) to numbers in [-100, 100], got {_short(self.logit_bias)}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
-            raise bad(f"bad_words must be non-empty strings, got {self.bad_words!r}")
-        if any(not ids or any(not isinstance(t, int) or t < 0 for t in ids) for ids in self.bad_words_token_ids):
-            raise bad(f"bad_words_token_ids must be non-empty lists of token ids, got {self.bad_words_token_ids!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise bad(f"bad_words takes at most {MAX_BAD_WORDS} words")
+        if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+            raise bad(f"bad_words must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(
+            not ids or len(ids) > MAX_STOP_STRING_CHARS or any(not _is_int(t) or t < 0 for t in ids)
+            for ids in self.bad_words_token_ids
+        ):
+            shown = _short(self.bad_words_token_ids)
+            raise bad(f"bad_words_token_ids must be non-empty lists of token ids, got {shown}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
@@ -194,5 +225,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A real number, not NaN or infinite (Python's json reads NaN and Infinity; they are no setting)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range: no setting either
+        return False
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."

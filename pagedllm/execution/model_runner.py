@@ -16,13 +16,15 @@ asked).  Decode-only steps replay a captured CUDA graph (cuda_graphs.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedllm.core.layer_groups import LayerGroups, group_layers
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
@@ -30,6 +32,8 @@ from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
 from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.models.llama import LlamaModel
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -44,6 +48,10 @@ class StepTensors:
 class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # Sequences whose row allowed no token at all (every token masked): the engine ends them.
+    exhausted: set[str] = field(default_factory=set)
+    # Sequences whose sampling raised, with what went wrong: the engine fails their requests.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -150,6 +158,30 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput({}, {})
         requests = [r for c in output.scheduled if c.samples for r in (c.request, *c.forks)]
+        return self.sample(logits, requests)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+        """One token per row, the whole batch at once; when that raises, row by row, so that a fault
+        (a request's settings, its grammar, its history) ends only the requests whose rows raise."""
+        try:
+            return self._sample_rows(logits, requests)
+        except Exception:
+            logger.warning("batched sampling failed; sampling the %d rows one by one", len(requests), exc_info=True)
+        result = ModelRunnerOutput({}, {})
+        for row, request in enumerate(requests):
+            try:
+                one = self._sample_rows(logits[row : row + 1], [request])
+            except Exception as error:
+                logger.exception("sampling failed for %s", request.request_id)
+                result.failed[request.request_id] = f"sampling failed: {error!r}"
+                continue
+            result.sampled.update(one.sampled)
+            result.logprobs.update(one.logprobs)
+            result.exhausted.update(one.exhausted)
+            result.failed.update(one.failed)
+        return result
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
         params = [r.sampling_params for r in requests]
         generators = [self._generator(r.request_id, r.sampling_params.seed) for r in requests]
         histories = None
@@ -164,11 +196,24 @@ class ModelRunner:
                 return structured.apply_masks(rows, ids)
 
         result = self.sampler(logits, params, generators, histories, constrain)
+        output = ModelRunnerOutput({}, {})
+        for rid, token, lp in zip(ids, result.token_ids, result.logprobs):
+            if token is None:
+                output.exhausted.add(rid)
+                continue
+            output.sampled[rid] = token
+            if lp is not None:
+                output.logprobs[rid] = lp
         if constrain is not None:
-            for rid, token in zip(ids, result.token_ids):
-                self.structured.accept(rid, token)
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+            for rid, token in output.sampled.items():
+                try:
+                    self.structured.accept(rid, token)
+                except Exception as error:  # this sequence's grammar alone
+                    logger.exception("the grammar of %s failed", rid)
+                    output.failed[rid] = f"structured output failed: {error!r}"
+            for rid in output.failed:
+                del output.sampled[rid]
+        return output
 
     def run(self, chunks: Sequence[Chunk], block_copies: Sequence[tuple[int, int]]) -> torch.Tensor | None:
         """Every rank's part of a step: copy-on-write copies, the forward pass, the logits of the

@@ -25,7 +25,8 @@ from pagedllm.execution.logits_processors import TokenHistory, process_logits
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    # Per row: the sampled id, always in [0, vocab); None where the row allows no token at all.
+    token_ids: list[int | None]
     # Per row: (logprob of the sampled token, top alternatives) when asked for, else None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
@@ -53,12 +54,39 @@ class Sampler:
         processed = process_logits(logits, params, histories) if histories is not None else logits
         if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
             processed = constrain(processed.clone() if processed is logits else processed)
-        tokens = self._argmax(processed)
+        tokens = self._pick(processed, params, generators)
+        token_list: list[int | None] = tokens.tolist()
+        # A row whose pick is no allowed token (its logit -inf or NaN, or an id past the vocabulary:
+        # every token masked, or NaN logits) is looked at again alone; the usual step pays one gather.
+        vocab = processed.shape[1]
+        picked = processed.gather(1, tokens.clamp(max=vocab - 1)[:, None]).squeeze(1)
+        bad = ((tokens >= vocab) | ~torch.isfinite(picked)).nonzero().flatten().tolist()
+        for row in bad:
+            token_list[row] = self._pick_alone(processed[row], params[row], generators[row])
+        return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
+
+    def _pick(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        tokens = self._argmax(logits)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            tokens = torch.where(greedy, tokens, self._sample(processed, params, generators))
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
+            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+        return tokens
+
+    def _pick_alone(self, row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int | None:
+        """A row the batched pick could not serve: NaN counts as forbidden (-inf), a +inf logit is
+        certain; None when no token is left (the engine then ends the sequence, see SamplingParams)."""
+        row = torch.nan_to_num(row.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        certain = torch.isposinf(row).nonzero().flatten()
+        if certain.numel():
+            return int(certain[0])
+        allowed = torch.isfinite(row)
+        if not bool(allowed.any()):
+            return None
+        row = row - row[allowed].max()  # <= 0 everywhere: no overflow once divided by a temperature
+        token = int(self._pick(row[None], [params], [generator])[0])
+        return token if token < row.shape[0] and bool(allowed[token]) else None
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
@@ -101,7 +129,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+        logits: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
     ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(params)
@@ -111,6 +139,8 @@ class Sampler:
         max_k = max(params[i].logprobs or 0 for i in rows)
         top_values, top_ids = logprobs.topk(max(max_k, 1), dim=-1)
         for j, row in enumerate(rows):
+            if tokens[row] is None:
+                continue
             k = params[row].logprobs or 0
             top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist()))
             result[row] = (float(logprobs[j, tokens[row]]), top)

@@ -8,6 +8,16 @@ sampling, the masks of every constrained row in the step are filled into one bit
 applied to the logits in one batched call: tokens the grammar forbids get -inf.  Once the
 grammar is complete only EOS is allowed, so a constrained request ends with `stop`, or
 `length` when `max_tokens` comes first.
+
+JSON (a schema, `json_object`, tool calls) is compact by default: one line, with `", "`
+between items and `": "` after keys (SmolLM2 at temperature 0 loops on `{"a":1,"a":...`
+without the spaces), so a small model cannot fill its reply with newlines until
+`max_tokens` cuts it; `whitespace="flexible"` allows any whitespace.  Properties come
+in the schema's own order.
+
+A big schema costs seconds to turn into a matcher (1.7 s for a 1 MB schema here), which
+must not happen on the engine thread between steps: `prepare` builds the first matcher
+on the caller's thread (the server's preparation thread), and `add` copies it.
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -36,11 +48,11 @@ def _llguidance():
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(kind: str, text: str) -> str:
+def _compile(kind: str, text: str, flexible_whitespace: bool = False) -> str:
     """The llguidance grammar for one constraint; raises SamplingParamError naming what is wrong."""
     llg = _llguidance()
     try:
-        grammar = _grammar_text(llg, kind, text)
+        grammar = _grammar_text(llg, kind, text, flexible_whitespace)
     except (ValueError, RuntimeError) as error:  # a grammar the converter cannot read
         raise SamplingParamError("structured_output", f"invalid {kind.replace('_', ' ')}: {error}") from None
     error = llg.LLMatcher.validate_grammar(grammar)
@@ -49,9 +61,13 @@ def _compile(kind: str, text: str) -> str:
     return grammar
 
 
-def _grammar_text(llg, kind: str, text: str) -> str:
+def _grammar_text(llg, kind: str, text: str, flexible_whitespace: bool) -> str:
     if kind == "json_schema":
-        grammar = llg.LLMatcher.grammar_from_json_schema(text)
+        if flexible_whitespace:
+            defaults = {"whitespace_flexible": True}
+        else:  # one space after "," and ":", as json.dumps writes: small models keep to it better than none
+            defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=defaults)
     elif kind == "regex":
         grammar = llg.grammar_from("regex", text)
     elif kind == "grammar":
@@ -62,8 +78,9 @@ def _grammar_text(llg, kind: str, text: str) -> str:
 
 
 def compile_grammar(spec: StructuredOutput) -> str:
+    flexible = spec.whitespace == "flexible"
     if spec.json_object:
-        return _compile("json_schema", '{"type": "object"}')
+        return _compile("json_schema", '{"type": "object"}', flexible)
     if spec.json_schema is not None:
         schema = spec.json_schema
         if isinstance(schema, str):
@@ -73,7 +90,7 @@ def compile_grammar(spec: StructuredOutput) -> str:
                 raise SamplingParamError("structured_output", f"invalid json schema: not JSON ({error})") from None
         if not isinstance(schema, dict):
             raise SamplingParamError("structured_output", "invalid json schema: it must be a JSON object")
-        return _compile("json_schema", json.dumps(schema, sort_keys=True))
+        return _compile("json_schema", json.dumps(schema), flexible)  # the schema's own key order
     if spec.regex is not None:
         return _compile("regex", spec.regex)
     if spec.choice is not None:
@@ -86,30 +103,59 @@ def compile_grammar(spec: StructuredOutput) -> str:
 class StructuredOutputs:
     """The matchers of the running constrained sequences, and their masks for a step."""
 
+    PREPARED = 32  # matchers kept ready to copy, by grammar (most recent first)
+
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._tokenizer = None  # built on the first constrained request (~0.4 s for SmolLM2)
+        self._tokenizer = None  # the grammar engine's view of the vocabulary (~0.4 s for SmolLM2)
+        self._lock = threading.Lock()  # `prepare` runs on other threads than the engine's
+        self._prepared: OrderedDict[str, object] = OrderedDict()
         self.matchers: dict[str, object] = {}
 
+    def build_tokenizer(self) -> None:
+        """Build the grammar engine's tokenizer now (a server does so at start, in the background),
+        rather than on the first constrained request."""
+        self._llg_tokenizer()
+
     def _llg_tokenizer(self):
-        if self._tokenizer is None:
-            llg = _llguidance()
-            self._tokenizer = llg.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
-            )
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                self._tokenizer = llg.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                )
+            return self._tokenizer
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Compile `spec` and build its first matcher on the calling thread, for `add` to copy."""
+        grammar = compile_grammar(spec)
+        with self._lock:
+            if grammar in self._prepared:
+                self._prepared.move_to_end(grammar)
+                return
+        matcher = self._new_matcher(grammar)
+        with self._lock:
+            self._prepared[grammar] = matcher
+            while len(self._prepared) > self.PREPARED:
+                self._prepared.popitem(last=False)
+
+    def _new_matcher(self, grammar: str):
+        matcher = _llguidance().LLMatcher(self._llg_tokenizer(), grammar)
+        if matcher.is_error():
+            raise SamplingParamError("structured_output", f"invalid structured output: {matcher.get_error()}")
+        return matcher
 
     def add(self, sequence_ids: list[str], spec: StructuredOutput) -> None:
-        """One matcher per sequence, from the compiled grammar (compiled once per constraint)."""
+        """One matcher per sequence: copies of a prepared one, else built here."""
         grammar = compile_grammar(spec)
-        llg = _llguidance()
+        with self._lock:
+            template = self._prepared.get(grammar)
+        if template is None:
+            template = self._new_matcher(grammar)
         for sequence_id in sequence_ids:
-            matcher = llg.LLMatcher(self._llg_tokenizer(), grammar)
-            if matcher.is_error():
-                raise SamplingParamError("structured_output", f"invalid structured output: {matcher.get_error()}")
-            self.matchers[sequence_id] = matcher
+            self.matchers[sequence_id] = template.deep_copy()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         if parent_id in self.matchers:

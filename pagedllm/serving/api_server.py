@@ -1,11 +1,18 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, errors, auth, limits.
 
 Every failure a client can cause answers in OpenAI's error shape with a 4xx:
-400 bad parameters or a prompt too long, 401 a missing or wrong key,
-404 an unknown model or path, 413 a body over the limit, 429 a full queue.
-A 500 means a bug here; a 503 means the engine has stopped.  The API key
-guards `/v1/*`; `/health`, `/metrics`, `/stats` and `/dashboard` are open
-(they show counts and block ids, never prompts or outputs).
+400 bad parameters or a prompt too long (and a body that is not strict JSON:
+NaN, Infinity, nesting deeper than 64, invalid Unicode), 401 a missing or
+wrong key, 404 an unknown model or path, 413 a body over the limit, 429 a
+full queue.  A 500 means a bug here (or a fault that ended that request alone
+in the engine); a 503 means the engine has stopped or is shutting down.  The
+API key guards `/v1/*`; `/health`, `/metrics`, `/stats` and `/dashboard` are
+open (they show counts and block ids, never prompts or outputs).
+
+The event loop only moves bytes: reading a body, parsing and checking it,
+tokenizing, the chat template and compiling a grammar run on a small pool of
+preparation threads (`prepare`), so a 200 KB prompt or a 1 MB schema never
+delays another stream's tokens.
 """
 
 from __future__ import annotations
@@ -13,19 +20,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import math
+import re
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagedllm.serving.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from pagedllm.serving.dashboard import dashboard_html, dashboard_state, engine_state
 from pagedllm.serving.openai_protocol import (
     APIError,
@@ -44,6 +62,10 @@ from pagedllm.text.tokenizer import Tokenizer
 logger = logging.getLogger("pagedllm")
 
 DISCONNECT_POLL_S = 0.25
+MAX_JSON_DEPTH = 64  # nesting of a request body; real schemas and chats stay far below
+PREPARE_THREADS = 4
+_SURROGATE = re.compile("[\ud800-\udfff]")
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,12 +110,80 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
+def parse_json(raw: bytes) -> Any:
+    """A request body as strict JSON: UTF-8, finite numbers (Python's json reads NaN, Infinity and
+    1e999, which are not JSON), nesting at most MAX_JSON_DEPTH, no lone surrogates in strings
+    (a tokenizer cannot encode them).  Anything else is a 400 that says what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise bad_request(f"the request body is not valid UTF-8: {error}") from None
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise bad_request(f"the request body holds a number out of range: {error}") from None
+    _check_json_value(value)
+    return value
+
+
+def _not_json(name: str) -> None:
+    raise bad_request(f"the request body holds {name}, which is not JSON: numbers must be finite")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise bad_request(f"the request body holds the number {text[:40]}, which is out of range for a float")
+    return value
+
+
+def _check_json_value(value: Any) -> None:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise bad_request("the request body holds a string with a lone surrogate (invalid Unicode)")
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(item, dict):
+                stack.extend((key, depth) for key in item)
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A streamed reply whose engine requests end with it, however it ends: finished, failed, or a
+    client gone before the first byte (then the body's generator never starts, and its own
+    `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], engine_stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.engine_stream = engine_stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine_stream.abort()
+
+
 def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     """The app around an engine; the app's lifespan starts and stops the engine thread.
 
     `tokenizer` is the server's own instance (the engine thread uses another one):
-    a Rust tokenizer must not be used from two threads at once.
+    a Rust tokenizer must not be used from two threads at once.  The event loop uses it
+    to decode; the preparation threads use a copy of their own, one at a time.
     """
+    prep_tokenizer = Tokenizer(tokenizer.path)
+    prep_lock = threading.Lock()  # the preparation threads share prep_tokenizer
+    prep_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedllm-prepare")
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.step_observers.append(ServerLog().observe_step)
@@ -104,8 +194,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine.is_running:
             engine.start()
+        # Built now rather than by the first constrained request, which would wait for it (seconds).
+        prep_pool.submit(engine.engine.runner.structured.build_tokenizer)
         yield
         engine.shutdown()
+        prep_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -163,12 +256,31 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
                 "max_tokens",
             )
 
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad_request(f"the request body is not valid JSON: {error}") from None
+    async def prepare(fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on a preparation thread: the event loop goes on moving other streams' bytes."""
+        return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args))
+
+    def encode(text: str) -> list[int]:
+        with prep_lock:
+            return prep_tokenizer.encode(text)
+
+    def chat_template(messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """The model's template over the messages; a template that refuses them is the client's 400."""
+        with prep_lock:
+            try:
+                return prep_tokenizer.apply_chat_template(messages, tools)
+            except Exception as error:  # raise_exception() in the template, roles it does not take, ...
+                message = getattr(error, "message", None) or str(error) or type(error).__name__
+                raise bad_request(f"the chat template refused these messages: {message}", "messages") from None
+
+    def prepare_constraint(params: Any) -> Any:
+        """Compile the request's grammar and build its first matcher here, off the engine thread."""
+        if params.structured_output is not None:
+            try:
+                engine.engine.prepare_structured_output(params.structured_output)
+            except ValueError as error:
+                raise bad_request(str(error), getattr(error, "param", None)) from None
+        return params
 
     async def start(requests: list[tuple[list[int], Any, str]]) -> RequestStream:
         try:
@@ -183,7 +295,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def respond(request: Request, stream: RequestStream, tracker: ChoiceTracker, body: Any) -> Response:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse(stream, tracker, include_usage), media_type="text/event-stream")
+            return EngineStreamResponse(sse(stream, tracker, include_usage), stream)
         collect = asyncio.ensure_future(collect_all(stream, tracker))
         try:
             while not collect.done():  # a client that hangs up stops its request
@@ -194,6 +306,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             collect.result()
         except EngineDeadError as error:
             raise APIError(503, str(error), "service_unavailable") from None
+        except RequestFailedError as error:
+            raise APIError(500, str(error), "internal_error", code="request_failed") from None
         finally:
             stream.abort()
         return JSONResponse(tracker.response())
@@ -210,19 +324,30 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(CompletionRequest, await read_json(request))
+        raw = await request.body()
+        requests, tracker, body = await prepare(prepare_completion, raw)
+        stream = await start(requests)
+        return await respond(request, stream, tracker, body)
+
+    def prepare_completion(raw: bytes) -> tuple[list, ChoiceTracker, CompletionRequest]:
+        body = parse_body(CompletionRequest, parse_json(raw))
         check_model(body.model)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        prompt_ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in body.prompts()]
+        prompts = body.prompts()
+        prompt_ids = [p if isinstance(p, list) else encode(p) for p in prompts]
         for ids in prompt_ids:
             check_length(ids, max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = prepare_constraint(body.sampling_params(max_tokens, body.logprobs))
         if body.samples > body.n:  # best_of: draw them all on the shared prompt, rank by log-probability
             params = dataclasses.replace(params, n=body.samples, logprobs=params.logprobs or 0)
         tracker_id = new_id("cmpl")
         request_ids = [f"{tracker_id}-{i}" for i in range(len(prompt_ids))]
-        stream = await start([(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)])
-        prompts = body.prompts()
+        echo = None
+        if body.echo:
+            with prep_lock:
+                echo = {
+                    rid: p if isinstance(p, str) else prep_tokenizer.decode(p) for rid, p in zip(request_ids, prompts)
+                }
         tracker = ChoiceTracker(
             False,
             settings.served_model_name,
@@ -231,33 +356,33 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             tokenizer.decode,
             body.logprobs is not None,
             keep=body.n if body.samples > body.n else None,
-            echo={rid: p if isinstance(p, str) else tokenizer.decode(p) for rid, p in zip(request_ids, prompts)}
-            if body.echo
-            else None,
+            echo=echo,
             id=tracker_id,
         )
-        return await respond(request, stream, tracker, body)
+        return [(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)], tracker, body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        body = parse_body(ChatCompletionRequest, await read_json(request))
+        raw = await request.body()
+        requests, tracker, body = await prepare(prepare_chat, raw)
+        stream = await start(requests)
+        return await respond(request, stream, tracker, body)
+
+    def prepare_chat(raw: bytes) -> tuple[list, ChoiceTracker, ChatCompletionRequest]:
+        body = parse_body(ChatCompletionRequest, parse_json(raw))
         check_model(body.model)
-        try:
-            in_template = tokenizer.template_takes_tools
-            mode = body.tool_mode(in_template)
-            prompt_ids = tokenizer.apply_chat_template(
-                body.conversation(in_template), mode.openai_tools() if mode is not None and in_template else None
-            )
-        except ValueError as error:
-            raise bad_request(str(error), "messages") from None
+        in_template = prep_tokenizer.template_takes_tools
+        mode = body.tool_mode(in_template)
+        prompt_ids = chat_template(
+            body.conversation(in_template), mode.openai_tools() if mode is not None and in_template else None
+        )
         check_length(prompt_ids, body.requested_max_tokens)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # as OpenAI: up to the context length
             max_tokens = max_model_len - len(prompt_ids)
-        params = body.sampling_params(max_tokens, body.num_logprobs)
+        params = prepare_constraint(body.sampling_params(max_tokens, body.num_logprobs))
         tracker_id = new_id("chatcmpl")
-        stream = await start([(prompt_ids, params, tracker_id)])
         tracker = ChoiceTracker(
             True,
             settings.served_model_name,
@@ -268,39 +393,42 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             tools=mode,
             id=tracker_id,
         )
-        return await respond(request, stream, tracker, body)
+        return [(prompt_ids, params, tracker_id)], tracker, body
 
     # --- tokenizer (vLLM's shape) -----------------------------------------------------
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         check_key(request)
-        body = parse_body(TokenizeRequest, await read_json(request))
+        return await prepare(tokenize_body, await request.body())
+
+    def tokenize_body(raw: bytes) -> dict:
+        body = parse_body(TokenizeRequest, parse_json(raw))
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send either prompt (text) or messages (a chat)", "prompt")
         if body.messages is not None:
-            try:
-                chat = [
-                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-                ]
-                tokens = tokenizer.apply_chat_template(chat)
-            except ValueError as error:
-                raise bad_request(str(error), "messages") from None
+            chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+            tokens = chat_template(chat)
         else:
-            tokens = tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            with prep_lock:
+                tokens = prep_tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         check_key(request)
-        body = parse_body(DetokenizeRequest, await read_json(request))
+        return await prepare(detokenize_body, await request.body())
+
+    def detokenize_body(raw: bytes) -> dict:
+        body = parse_body(DetokenizeRequest, parse_json(raw))
         check_model(body.model)
         vocab = engine.engine.model_config.vocab_size
         outside = [t for t in body.tokens if not 0 <= t < vocab]
         if outside:
             raise bad_request(f"tokens must be ids in [0, {vocab}), got {outside[:5]}", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        with prep_lock:
+            return {"prompt": prep_tokenizer.decode(body.tokens)}
 
     # --- health, metrics, stats, dashboard ---------------------------------------------
 
@@ -308,6 +436,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse({"status": "dead", "error": repr(engine.error)}, status_code=503)
+        if engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -355,6 +485,8 @@ async def sse(stream: RequestStream, tracker: ChoiceTracker, include_usage: bool
             yield _event(tracker.usage_chunk())
     except EngineDeadError as error:
         yield _event(APIError(503, str(error), "service_unavailable").body())
+    except RequestFailedError as error:  # this request alone: the others go on
+        yield _event(APIError(500, str(error), "internal_error", code="request_failed").body())
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

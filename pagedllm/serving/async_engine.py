@@ -6,25 +6,33 @@ submit (add a request, abort one, read a snapshot).  Each request's outputs
 travel to its consumer's asyncio queue as they are produced.
 
 Invariants:
-- a request added here either reaches its consumer's queue until it
-  finishes, or is aborted: a consumer that stops reading (a client that
-  disconnects, a cancelled task) aborts its request, and the abort runs
-  before the next step, so its blocks are free within one step;
-- a failing command (bad input) fails only its caller; a failing step
-  (an engine bug) fails every open request with `EngineDeadError`, and
-  every later call, rather than hanging them.
+- a request added here either reaches its consumer until it finishes, or
+  is aborted: a consumer that stops reading (a client that disconnects, a
+  cancelled task) aborts its request, and the abort runs before the next
+  step, so its blocks are free within one step;
+- a consumer holds at most one pending output per request, however slowly
+  it reads: a newer output replaces the unread one, their text deltas joined
+  (outputs carry the whole state, so nothing else is lost);
+- a fault in one request (its sampling, grammar, text) ends that request
+  with `RequestFailedError` for its consumer; the engine goes on;
+- a failing command (bad input) fails only its caller; a step loop that
+  cannot go on fails every open request with `EngineDeadError`, and every
+  later call, rather than hanging them: a command is either run, or answered
+  with that error (never left in the queue);
+- an observer (metrics, logs) that raises is logged and dropped, never fatal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.core.outputs import RequestOutput
@@ -44,19 +52,70 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the server admits (`max_waiting`)."""
 
 
+class RequestFailedError(RuntimeError):
+    """A fault while handling this request ended it (the engine goes on serving the others)."""
+
+
 @dataclass
 class _Command:
     run: Callable[[LLMEngine], Any]
     done: Callable[[Any, BaseException | None], None]
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """The mailbox between the engine thread and one consumer: the latest unread output per request.
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+    The engine thread `put`s every step; the consumer `take`s whatever is there. A slow reader
+    therefore holds one output per request, not one per step: a newer output replaces the unread
+    one, with the text deltas of both joined.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: dict[str, RequestOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()  # set on the loop's thread when something arrived
+
+    def put(self, output: RequestOutput) -> None:
+        with self._lock:
+            wake = not self._pending and self._error is None
+            unread = self._pending.get(output.request_id)
+            self._pending[output.request_id] = output if unread is None else _coalesce(unread, output)
+        if wake:
+            self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
+            pass
+
+    async def take(self) -> list[RequestOutput]:
+        """Every unread output, oldest request first; raises the engine's error once nothing is left."""
+        while True:
+            with self._lock:
+                outputs = list(self._pending.values())
+                self._pending.clear()
+                error = self._error
+                self._ready.clear()
+            if outputs:
+                return outputs
+            if error is not None:
+                raise error
+            await self._ready.wait()
+
+
+def _coalesce(unread: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` with each completion's delta preceded by the unread one's."""
+    deltas = {c.index: c.delta for c in unread.outputs}
+    outputs = [c.with_delta(deltas.get(c.index, "") + c.delta) for c in newer.outputs]
+    return dataclasses.replace(newer, outputs=outputs)
 
 
 class RequestStream:
@@ -64,6 +123,7 @@ class RequestStream:
 
     Whoever iterates must call `abort()` when done (a `finally`): it ends whatever
     is still running, so a consumer that goes away never leaves blocks held.
+    A request that a fault ended raises `RequestFailedError`.
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_ids: list[str], stream: _Stream) -> None:
@@ -71,19 +131,25 @@ class RequestStream:
         self._engine = engine
         self._stream = stream
         self._unfinished = set(request_ids)
+        self._ready: list[RequestOutput] = []
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._stream.outputs.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()  # the engine is dead: nothing to abort
-            raise item
+        if not self._ready:
+            if not self._unfinished:
+                raise StopAsyncIteration
+            try:
+                self._ready = await self._stream.take()
+            except EngineDeadError:
+                self._unfinished.clear()  # the engine is dead: nothing to abort
+                raise
+        item = self._ready.pop(0)
         if item.finished:
             self._unfinished.discard(item.request_id)
+            if item.error is not None:
+                raise RequestFailedError(f"request {item.request_id} failed: {item.error}")
         return item
 
     def abort(self) -> None:
@@ -109,6 +175,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopping = threading.Event()
+        # Taken to enqueue a command and to close the queue: a command is queued only while the
+        # engine thread will still run or fail it.
+        self._queue_lock = threading.Lock()
+        self._closed = False
+        self._draining = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -116,14 +187,23 @@ class AsyncLLMEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def start_draining(self) -> None:
+        """Refuse new requests (EngineDeadError: 'shutting down'); running ones go on to their end."""
+        self._draining = True
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop after the current step; open requests end with EngineDeadError."""
+        """Stop after the current step: requests still open are aborted (their blocks freed) and
+        their consumers get EngineDeadError."""
         self._stopping.set()
         self._commands.put(_Command(lambda engine: None, lambda result, error: None))
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.shutdown()  # tensor-parallel workers, once the engine thread is done with them
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     @property
     def is_running(self) -> bool:
@@ -155,6 +235,8 @@ class AsyncLLMEngine:
         ids = [request_id for _, _, request_id in requests]
 
         def add(engine: LLMEngine) -> None:
+            if self._draining:
+                raise EngineDeadError("the server is shutting down: it takes no new requests")
             waiting = len(engine.scheduler.waiting)
             if self.max_waiting is not None and waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(
@@ -203,17 +285,22 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             output = engine.abort_request(request_id)
             if output is not None:  # observers see every request end, aborted ones too
-                for observer in self.step_observers:
-                    observer(engine, [output], None)
+                self._notify([output], None)
 
-        self._submit(_Command(run, lambda result, error: None))
+        try:
+            self._submit(_Command(run, lambda result, error: None))
+        except EngineDeadError:
+            pass  # it stopped meanwhile: nothing is left to abort
 
     def _submit(self, command: _Command) -> None:
-        if self.error is not None or self._stopping.is_set():
-            raise EngineDeadError(self._dead_message())
-        self._commands.put(command)
+        with self._queue_lock:
+            if self._closed or self.error is not None or self._stopping.is_set():
+                raise EngineDeadError(self._dead_message())
+            self._commands.put(command)
 
     def _dead_message(self) -> str:
+        if self._draining and self.error is None:
+            return "the server is shutting down: it takes no new requests"
         if self.error is not None:
             return f"the engine stopped after an internal error: {self.error!r}"
         return "the engine is shutting down"
@@ -230,12 +317,26 @@ class AsyncLLMEngine:
                     outputs = engine.step()
                     elapsed = time.perf_counter() - start
                     self._dispatch(outputs)
-                    for observer in self.step_observers:
-                        observer(engine, outputs, elapsed)
+                    self._notify(outputs, elapsed)
         except BaseException as error:  # an engine bug: fail loudly, never hang the clients
             logger.exception("the engine step loop failed")
             self.error = error
+        if self.error is None:
+            self._abort_everything()
         self._fail_everything()
+
+    def _abort_everything(self) -> None:
+        """At shutdown: end every request still in the engine and free its blocks."""
+        engine = self.engine
+        open_requests = list(engine.groups)
+        for request_id in open_requests:
+            engine.abort_request(request_id)
+        if open_requests:
+            logger.info(
+                "shutdown: aborted %d unfinished requests; %d KV blocks in use",
+                len(open_requests),
+                engine.kv_cache.num_used_blocks,
+            )
 
     def _run_commands(self, wait: bool) -> None:
         try:
@@ -253,6 +354,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
+    def _notify(self, outputs: list[RequestOutput], elapsed: float | None) -> None:
+        for observer in list(self.step_observers):
+            try:
+                observer(self.engine, outputs, elapsed)
+            except Exception:  # metrics and logs are no reason to stop serving
+                logger.exception("step observer %r failed; it is turned off", observer)
+                self.step_observers.remove(observer)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -264,8 +373,10 @@ class AsyncLLMEngine:
 
     def _fail_everything(self) -> None:
         error = EngineDeadError(self._dead_message())
+        with self._queue_lock:
+            self._closed = True  # from here on _submit refuses; what is queued is answered below
         for stream in self._streams.values():
-            stream.put(error)
+            stream.fail(error)
         self._streams.clear()
         while True:
             try:

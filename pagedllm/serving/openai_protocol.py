@@ -16,6 +16,8 @@ from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, St
 from pagedllm.execution.structured_output import compile_grammar
 from pagedllm.serving.tool_calls import EMPTY_PARAMETERS, Tool, ToolMode, call_as_text
 
+MAX_TOOLS = 128  # each tool's schema is compiled for every request that lists it
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -282,7 +284,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[ToolSpec] | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def refuse_unsupported(self) -> None:

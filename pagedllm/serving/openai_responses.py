@@ -97,7 +97,7 @@ class ChoiceTracker:
         if not self.want_logprobs or completion.logprobs is None:
             return None
         sent = self._logprobs_sent.get(index, 0)
-        entries = completion.logprobs[sent:]
+        entries = completion.logprobs_since(sent)
         self._logprobs_sent[index] = sent + len(entries)
         if self.chat:
             return chat_logprobs(entries, self.decode)
@@ -203,5 +203,5 @@ class ChoiceTracker:
     def usage(self) -> dict:
         outputs = [self.latest[r] for r in self.request_ids if r in self.latest]
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
-        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        generated = sum(c.num_tokens for o in outputs for c in o.outputs)
         return usage(prompt, generated)

@@ -40,7 +40,7 @@ class ServerLog:
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput], step_seconds: float | None) -> None:
         now = time.monotonic()
         for output in outputs:
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            num_tokens = sum(c.num_tokens for c in output.outputs)
             seen = self._generated.get(output.request_id)
             if seen is None:
                 self._first_seen[output.request_id] = now - (output.time_to_first_token or 0.0)

@@ -69,7 +69,7 @@ class ServerMetrics:
         generated = 0
         for output in outputs:
             progress = self._progress.setdefault(output.request_id, _Progress())
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            num_tokens = sum(c.num_tokens for c in output.outputs)
             new = num_tokens - progress.num_tokens
             if new > 0:
                 if progress.last_token_time is None:

@@ -65,7 +65,12 @@ class ToolMode:
             tool = next(t for t in self.tools if t.name == self.name)
             return StructuredOutput(json_schema=tool.parameters)
         if self.kind == "required":
-            return StructuredOutput(json_schema={"anyOf": [_call_schema(t) for t in self.tools]})
+            definitions: dict[str, dict] = {}
+            calls = [_call_schema(t, f"tool{i}", definitions) for i, t in enumerate(self.tools)]
+            schema: dict = {"anyOf": calls}
+            if definitions:
+                schema["$defs"] = definitions
+            return StructuredOutput(json_schema=schema)
         return None
 
     def system_message(self) -> str:
@@ -110,13 +115,55 @@ class ToolMode:
         return _call(value["name"], json.dumps(value["arguments"]))
 
 
-def _call_schema(tool: Tool) -> dict:
+def _call_schema(tool: Tool, prefix: str, definitions: dict[str, dict]) -> dict:
+    """`{"name": <the tool>, "arguments": <its parameters>}`.  A schema that refers into itself
+    (`$ref` to `#/$defs/...`, `#/definitions/...` or `#`) is moved under the root's `$defs` as
+    `prefix`, its own definitions beside it as `prefix.NAME`, and its references rewritten to
+    match: nested under `arguments` as it is, they would point at nothing."""
+    parameters = tool.parameters
+    if not _has_local_refs(parameters):
+        arguments = parameters
+    else:
+        own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+        body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+        definitions[prefix] = _rewrite_refs(body, prefix)
+        for name, definition in own.items():
+            definitions[f"{prefix}.{name}"] = _rewrite_refs(definition, prefix)
+        arguments = {"$ref": f"#/$defs/{prefix}"}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _has_local_refs(schema: object) -> bool:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_refs(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_has_local_refs(v) for v in schema)
+    return False
+
+
+def _rewrite_refs(schema: object, prefix: str) -> object:
+    if isinstance(schema, list):
+        return [_rewrite_refs(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rewrite_refs(v, prefix) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                out["$ref"] = f"#/$defs/{prefix}.{ref[len(root) :]}"
+                break
+        else:  # a pointer into the parameters themselves
+            out["$ref"] = f"#/$defs/{prefix}{ref[1:]}"
+    return out
 
 
 def _call(name: str, arguments: str) -> dict:

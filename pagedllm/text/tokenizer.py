@@ -21,6 +21,7 @@ class Tokenizer:
     def __init__(self, path: Path) -> None:
         from transformers import AutoTokenizer
 
+        self.path = path
         if path.suffix == ".gguf":
             # Building a tokenizer from GGUF metadata takes ~10 s; keep the result on disk.
             stat = path.stat()

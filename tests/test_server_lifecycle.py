@@ -1,0 +1,145 @@
+"""`pagedllm serve` starts and stops like a service: a taken port fails at once, a signal
+drains running streams and exits 0, a second signal exits at once and cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from server_helpers import free_port, wait_healthy
+
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "INFO")
+
+
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), *ARGS, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 180, process)
+    return process, url
+
+
+def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streamed completion read on a thread; `result` gets its chunks' finish reason and count."""
+    result: dict = {"chunks": 0, "finish_reason": None, "error": None}
+
+    def read() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        result["chunks"] += 1
+                        if '"finish_reason":"' in line.replace(" ", ""):
+                            result["finish_reason"] = line
+        except httpx.HTTPError as error:  # the server closing the connection at the end of the drain
+            result["error"] = repr(error)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_for_chunks(result: dict, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while result["chunks"] < count:
+        assert time.monotonic() < deadline, f"the stream produced {result['chunks']} chunks"
+        time.sleep(0.05)
+
+
+def test_a_taken_port_is_a_one_line_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), *ARGS],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        elapsed = time.monotonic() - start
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [f"pagedllm: error: cannot listen on 127.0.0.1:{port}: the port is already in use"]
+    assert "model" not in done.stderr.lower()  # nothing was loaded
+    assert elapsed < 60  # the import of torch and friends, no model load (which takes longer than this alone)
+
+
+def test_sigterm_drains_a_running_stream_then_exits_zero():
+    process, url = start_server("--shutdown-timeout", "60")
+    try:
+        thread, result = stream_in_background(url, 120)
+        wait_for_chunks(result, 5)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = None
+        try:  # draining: no new requests (a new connection is refused, or answered 503)
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        except httpx.TransportError:
+            pass
+        assert refused is None or refused.status_code == 503
+        thread.join(90)
+        assert result["error"] is None and '"length"' in result["finish_reason"]  # it ran to its end
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate()
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+
+
+def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
+    process, url = start_server("--shutdown-timeout", "1")
+    try:
+        thread, result = stream_in_background(url, 2000)
+        wait_for_chunks(result, 5)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        thread.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate()
+    assert code == 0
+    assert elapsed < 1 + 1.5  # the drain timeout plus a second (and a step's grace)
+    assert result["finish_reason"] is None  # cut, not finished
+    assert "aborted 1 unfinished requests; 0 KV blocks in use" in stderr
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+
+
+def test_a_second_sigint_exits_at_once_and_cleanly():
+    process, url = start_server("--shutdown-timeout", "120")
+    try:
+        thread, result = stream_in_background(url, 2000)
+        wait_for_chunks(result, 5)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert process.poll() is None  # draining the stream
+        start = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=10)
+        elapsed = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate()
+    assert code == 128 + signal.SIGINT
+    assert elapsed < 2
+    assert "SIGINT again: exiting now without draining" in stderr
+    assert "Traceback" not in stderr and "terminate called" not in stderr and "Aborted" not in stderr
