@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.models.loader import resolve_model_path
     from pagedllm.serving.api_server import ServerSettings, build_app
     from pagedllm.serving.async_engine import AsyncLLMEngine
-    from pagedllm.serving.service import ServingServer, bind_socket
+    from pagedllm.serving.service import ServingServer, bind_socket, exit_now
     from pagedllm.text.tokenizer import Tokenizer
 
     if args.model_positional is not None:
@@ -133,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     if workers is not None and workers.failure is not None:
         print(f"pagedllm: error: {workers.failure}", file=sys.stderr)
-        return 1
+        exit_now(1)
+    exit_now(0)
     return 0
 
 

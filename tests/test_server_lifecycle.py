@@ -14,7 +14,7 @@ import time
 import httpx
 from server_helpers import free_port, wait_healthy
 
-ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "INFO")
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--log-level", "INFO")
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
@@ -117,7 +117,7 @@ def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
             process.kill()
         _, stderr = process.communicate()
     assert code == 0
-    assert elapsed < 1 + 1.5  # the drain timeout plus a second (and a step's grace)
+    assert elapsed < 1 + 1  # the drain timeout plus a second
     assert result["finish_reason"] is None  # cut, not finished
     assert "aborted 1 unfinished requests; 0 KV blocks in use" in stderr
     assert "Traceback" not in stderr and "terminate called" not in stderr

@@ -191,6 +191,22 @@ class AsyncLLMEngine:
         """Refuse new requests (EngineDeadError: 'shutting down'); running ones go on to their end."""
         self._draining = True
 
+    def end_open_requests(self, reason: str) -> None:
+        """Abort every request still open, from any thread: blocks freed before the next step, and each
+        consumer told `EngineDeadError(reason)` (a stream ends with that error, a client gets a 503)."""
+
+        def run(engine: LLMEngine) -> None:
+            self._abort_everything()
+            error = EngineDeadError(reason)
+            for stream in set(self._streams.values()):
+                stream.fail(error)
+            self._streams.clear()
+
+        try:
+            self._submit(_Command(run, lambda result, error: None))
+        except EngineDeadError:
+            pass  # stopped already: nothing is open
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop after the current step: requests still open are aborted (their blocks freed) and
         their consumers get EngineDeadError."""
@@ -330,7 +346,9 @@ class AsyncLLMEngine:
         engine = self.engine
         open_requests = list(engine.groups)
         for request_id in open_requests:
-            engine.abort_request(request_id)
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._notify([output], None)
         if open_requests:
             logger.info(
                 "shutdown: aborted %d unfinished requests; %d KV blocks in use",

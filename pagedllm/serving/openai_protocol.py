@@ -99,6 +99,8 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # JSON constraints: one line with ", " and ": " (compact), or any whitespace (flexible).
+    json_whitespace: Literal["compact", "flexible"] = "compact"
 
     def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint the body asks for, and the field that asked (for errors)."""
@@ -120,6 +122,10 @@ class _SamplingRequest(BaseModel):
         if not guided:
             return None, None
         ((field, value),) = guided.items()
+        spec, field = self._constraint(field, value, kind)
+        return dataclasses.replace(spec, whitespace=self.json_whitespace), field
+
+    def _constraint(self, field: str, value: Any, kind: str) -> tuple[StructuredOutput, str]:
         try:
             if field == "response_format":
                 if kind == "json_object":
@@ -328,6 +334,7 @@ class ChatCompletionRequest(_SamplingRequest):
         constraint = mode.constraint() if mode is not None else None
         if constraint is None:
             return params
+        constraint = dataclasses.replace(constraint, whitespace=self.json_whitespace)
         compile_grammar(constraint)
         return dataclasses.replace(params, structured_output=constraint)
 

@@ -5,7 +5,10 @@
   connects while the model loads is refused, not left waiting.
 - The first SIGINT or SIGTERM stops accepting connections and new requests (503, and
   /health says "draining"), lets running requests finish for up to `--shutdown-timeout`
-  seconds, then aborts what is left, frees its blocks, stops the engine thread and exits 0.
+  seconds, then aborts what is left (a stream still open ends with a 503 error event,
+  "the server shut down before this request finished"), frees its blocks, stops the
+  engine thread and exits 0.  The process then ends at once (`os._exit`): tearing down
+  the interpreter's modules takes a second and does nothing a stopped server needs.
 - A second signal exits at once: one line on stderr, exit code 128 + the signal's number
   (130 for SIGINT, 143 for SIGTERM), no traceback and no C++ teardown (`os._exit`).
 """
@@ -19,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Generator
 from types import FrameType
@@ -31,6 +35,14 @@ from pagedllm.serving.async_engine import AsyncLLMEngine
 logger = logging.getLogger("pagedllm")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` once the server has stopped: logs flushed, no interpreter teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -58,7 +70,7 @@ class ServingServer(uvicorn.Server):
             port=args.port,
             log_level=args.log_level.lower(),
             access_log=args.access_log,
-            timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  (a float works)
+            timeout_graceful_shutdown=args.shutdown_timeout + 1,  # type: ignore[arg-type]  (a float works)
         )
         super().__init__(config)
         self.engine = engine
@@ -85,6 +97,15 @@ class ServingServer(uvicorn.Server):
             os._exit(128 + sig)
         self.should_exit = True
         self.engine.start_draining()
+        # At the deadline the engine ends what is still open, so each stream closes by itself;
+        # uvicorn's own deadline (a second later) only cancels what is stuck past that.
+        timer = threading.Timer(
+            self.shutdown_timeout,
+            self.engine.end_open_requests,
+            ("the server shut down before this request finished",),
+        )
+        timer.daemon = True
+        timer.start()
         logger.warning(
             "%s: no new requests; running ones have %.0f s to finish, then are aborted "
             "(send the signal again to exit at once)",
