@@ -105,7 +105,9 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = model_config.eos_token_id
         # Constrained sequences' grammar matchers; they use the tokenizer on this (the engine's) thread only.
-        self.runner.structured = StructuredOutputs(self.tokenizer.hf, model_config.vocab_size, self.eos_token_id)
+        self.runner.structured = StructuredOutputs(
+            self.tokenizer.hf, model_config.vocab_size, self.eos_token_id, self.runner.sampler.kernels
+        )
         self.rank_memory = gather_rank_memory(
             tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
         )

@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from pagedllm import SamplingParams
 from pagedllm.core.sampling_params import SamplingParamError, StructuredOutput
@@ -151,3 +152,39 @@ def test_bad_constraints_are_clear_errors(llm):
     with pytest.raises(SamplingParamError, match="exactly one of"):
         StructuredOutput()
     assert not llm.engine.has_unfinished_requests() and not llm.engine.runner.structured.matchers
+
+
+@pytest.mark.parametrize("vocab, width", [(49152, 49152), (49152, 49280), (100, 97), (49150, 49152)])
+def test_grammar_masks_equal_llguidance_eager_and_in_cpp(vocab, width):
+    """The masks are applied without llguidance's torch.compile helper (seconds of compiling on the
+    first constrained step): eagerly in torch, and by the C++ kernel; both give its exact result."""
+    import llguidance.torch as llt
+
+    from pagedllm.execution.cpu_kernels import load_cpu_kernels
+    from pagedllm.execution.structured_output import apply_bitmask
+
+    torch.manual_seed(0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32)
+    bitmask[:, ::3] = 0  # whole words forbidden or allowed, as a grammar's masks mostly are
+    bitmask[:, 1::3] = -1
+    logits = torch.randn(5, width)
+    rows = [0, 2, 4]
+    # The rule: token t of a masked row keeps its logit when t < 32 * words and its bit is 1.
+    bits = [
+        [(int(bitmask[j, t // 32]) >> (t % 32)) & 1 if t < 32 * words else 0 for t in range(width)] for j in range(3)
+    ]
+    expected = logits.clone()
+    expected[rows] = logits[rows].masked_fill(torch.tensor(bits) == 0, float("-inf"))
+    if width == 32 * words:  # llguidance's helper, where its shapes allow
+        theirs = logits[rows].clone()
+        llt.apply_token_bitmask_inplace(theirs, bitmask)
+        assert torch.equal(theirs, expected[rows])
+    eager = logits.clone()
+    eager[rows] = apply_bitmask(logits[rows], bitmask)
+    assert torch.equal(eager, expected)
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        in_cpp = logits.clone()
+        kernels.mask_rows(in_cpp, bitmask, rows)
+        assert torch.equal(in_cpp, expected)

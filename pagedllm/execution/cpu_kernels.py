@@ -56,6 +56,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
+    "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
     "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -306,6 +307,19 @@ class CpuKernels:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._fn("argmax_rows", torch.float32)(_ptr(x), _ptr(out), x.shape[0], x.shape[1])
         return out
+
+    def mask_rows(self, x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """In place: row rows[j] of float32 x [*, cols] gets -inf where bitmask [len(rows), words] int32
+        has a 0 bit for the token, and past 32 * words (csrc/sampling.cpp)."""
+        _check(x, bitmask)
+        if x.dtype != torch.float32 or x.dim() != 2 or bitmask.dtype != torch.int32 or bitmask.dim() != 2:
+            raise ValueError(f"mask_rows takes float32 x and int32 bitmask, got {x.dtype} and {bitmask.dtype}")
+        if bitmask.shape[0] != len(rows) or any(not 0 <= r < x.shape[0] for r in rows):
+            raise ValueError(f"mask_rows: {len(rows)} rows for a bitmask of {bitmask.shape[0]} and x of {x.shape[0]}")
+        index = torch.tensor(rows, dtype=torch.int64)
+        self._fn("mask_rows", torch.float32)(
+            _ptr(x), _ptr(bitmask), _ptr(index), len(rows), x.shape[1], bitmask.shape[1]
+        )
 
 
 def _check(*tensors: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
-from pagedllm.execution.structured_output import StructuredOutputs
+from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
 from pagedllm.models.llama import LlamaModel
 
 logger = logging.getLogger("pagedllm")
@@ -165,12 +165,17 @@ class ModelRunner:
         (a request's settings, its grammar, its history) ends only the requests whose rows raise."""
         try:
             return self._sample_rows(logits, requests)
+        except StructuredOutputError:
+            pass  # one sequence's grammar: found again and ended below, row by row
         except Exception:
             logger.warning("batched sampling failed; sampling the %d rows one by one", len(requests), exc_info=True)
         result = ModelRunnerOutput({}, {})
         for row, request in enumerate(requests):
             try:
                 one = self._sample_rows(logits[row : row + 1], [request])
+            except StructuredOutputError as error:
+                logger.warning("structured output failed: %s", error)
+                result.failed[request.request_id] = f"structured output failed: {error}"
             except Exception as error:
                 logger.exception("sampling failed for %s", request.request_id)
                 result.failed[request.request_id] = f"sampling failed: {error!r}"
@@ -209,8 +214,8 @@ class ModelRunner:
                 try:
                     self.structured.accept(rid, token)
                 except Exception as error:  # this sequence's grammar alone
-                    logger.exception("the grammar of %s failed", rid)
-                    output.failed[rid] = f"structured output failed: {error!r}"
+                    logger.warning("structured output failed: %s", error)
+                    output.failed[rid] = f"structured output failed: {error}"
             for rid in output.failed:
                 del output.sampled[rid]
         return output

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import threading
@@ -158,6 +159,13 @@ def _check_json_value(value: Any) -> None:
                 stack.extend((v, depth + 1) for v in item)
 
 
+def _lower_priority() -> None:
+    """A preparation thread runs at nice 10: on a machine whose cores the engine's threads fill,
+    tokenizing a huge prompt then takes the cores the engine leaves, not a share of the step."""
+    with contextlib.suppress(AttributeError, OSError):  # per-thread nice values are Linux's
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class EngineStreamResponse(StreamingResponse):
     """A streamed reply whose engine requests end with it, however it ends: finished, failed, or a
     client gone before the first byte (then the body's generator never starts, and its own
@@ -183,7 +191,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     """
     prep_tokenizer = Tokenizer(tokenizer.path)
     prep_lock = threading.Lock()  # the preparation threads share prep_tokenizer
-    prep_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedllm-prepare")
+    prep_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedllm-prepare", initializer=_lower_priority)
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.step_observers.append(ServerLog().observe_step)

@@ -66,3 +66,28 @@ PAGEDLLM_API void argmax_rows_f32(const float* x, int64_t* out, int64_t rows, in
 #pragma omp parallel for if (rows * cols >= (1 << 17))
   for (int64_t r = 0; r < rows; ++r) out[r] = pagedllm::argmax_row(x + r * cols, cols);
 }
+
+// Grammar masks: for each j < num_rows, row rows[j] of x [*, cols] gets -inf at every token t whose
+// bit (t % 32) of bitmask[j, t / 32] is 0, and at every t >= 32 * words (past the mask's vocabulary).
+PAGEDLLM_API void mask_rows_f32(float* x, const int32_t* bitmask, const int64_t* rows, int64_t num_rows,
+                                int64_t cols, int64_t words) {
+  const float neg_inf = -__builtin_inff();
+  const int64_t full_words = cols / 32 < words ? cols / 32 : words;  // words whose 32 tokens all exist
+#pragma omp parallel for if (num_rows * cols >= (1 << 20))
+  for (int64_t j = 0; j < num_rows; ++j) {
+    float* row = x + rows[j] * cols;
+    const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask + j * words);
+    for (int64_t w = 0; w < full_words; ++w) {  // a grammar's mask is mostly all-0 or all-1 words
+      const uint32_t bits = mask[w];
+      float* out = row + w * 32;
+      if (bits == 0xffffffffu) continue;
+      if (bits == 0) {
+        for (int b = 0; b < 32; ++b) out[b] = neg_inf;
+        continue;
+      }
+      for (int b = 0; b < 32; ++b) out[b] = ((bits >> b) & 1u) ? out[b] : neg_inf;
+    }
+    for (int64_t t = full_words * 32; t < cols; ++t)  // a partial last word, and past the mask
+      if (t >= words * 32 || !((mask[t >> 5] >> (t & 31)) & 1u)) row[t] = neg_inf;
+  }
+}
