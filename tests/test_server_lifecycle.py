@@ -52,6 +52,13 @@ def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, d
     return thread, result
 
 
+def stop_after(process: subprocess.Popen) -> str:
+    """Kill the server if a test left it running; its stderr."""
+    if process.poll() is None:
+        process.kill()
+    return process.communicate()[1]
+
+
 def wait_for_chunks(result: dict, count: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while result["chunks"] < count:
@@ -96,9 +103,7 @@ def test_sigterm_drains_a_running_stream_then_exits_zero():
         assert result["error"] is None and '"length"' in result["finish_reason"]  # it ran to its end
         assert process.wait(timeout=30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-        _, stderr = process.communicate()
+        stderr = stop_after(process)
     assert "Traceback" not in stderr and "terminate called" not in stderr
 
 
@@ -113,9 +118,7 @@ def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
         elapsed = time.monotonic() - start
         thread.join(10)
     finally:
-        if process.poll() is None:
-            process.kill()
-        _, stderr = process.communicate()
+        stderr = stop_after(process)
     assert code == 0
     assert elapsed < 1 + 1  # the drain timeout plus a second
     assert result["finish_reason"] is None  # cut, not finished
@@ -136,9 +139,7 @@ def test_a_second_sigint_exits_at_once_and_cleanly():
         code = process.wait(timeout=10)
         elapsed = time.monotonic() - start
     finally:
-        if process.poll() is None:
-            process.kill()
-        _, stderr = process.communicate()
+        stderr = stop_after(process)
     assert code == 128 + signal.SIGINT
     assert elapsed < 2
     assert "SIGINT again: exiting now without draining" in stderr

@@ -80,6 +80,16 @@ def _grammar_text(llg, kind: str, text: str, flexible_whitespace: bool) -> str:
 
 
 def compile_grammar(spec: StructuredOutput) -> str:
+    """The grammar of a constraint, kept on the (frozen) constraint once made: a big schema is
+    serialized once, on the thread that prepares the request, not again on the engine thread."""
+    grammar = spec.__dict__.get("_grammar")
+    if grammar is None:
+        grammar = _compile_spec(spec)
+        object.__setattr__(spec, "_grammar", grammar)
+    return grammar
+
+
+def _compile_spec(spec: StructuredOutput) -> str:
     flexible = spec.whitespace == "flexible"
     if spec.json_object:
         return _compile("json_schema", '{"type": "object"}', flexible)

@@ -329,13 +329,16 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         extensions = {"max_model_len": max_model_len, "vocab_size": engine.engine.model_config.vocab_size}
         return {"object": "list", "data": [{**card, **extensions}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, prepare_body: Callable[[bytes], tuple]) -> Response:
+        """A generation route: the body prepared off the loop, its requests added, the reply sent."""
         check_key(request)
-        raw = await request.body()
-        requests, tracker, body = await prepare(prepare_completion, raw)
+        requests, tracker, body = await prepare(prepare_body, await request.body())
         stream = await start(requests)
         return await respond(request, stream, tracker, body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, prepare_completion)
 
     def prepare_completion(raw: bytes) -> tuple[list, ChoiceTracker, CompletionRequest]:
         body = parse_body(CompletionRequest, parse_json(raw))
@@ -371,11 +374,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_key(request)
-        raw = await request.body()
-        requests, tracker, body = await prepare(prepare_chat, raw)
-        stream = await start(requests)
-        return await respond(request, stream, tracker, body)
+        return await generate(request, prepare_chat)
 
     def prepare_chat(raw: bytes) -> tuple[list, ChoiceTracker, ChatCompletionRequest]:
         body = parse_body(ChatCompletionRequest, parse_json(raw))

@@ -3,7 +3,7 @@
 One thread owns the `LLMEngine` and is the only code that touches it: it
 runs the step loop and, between steps, the commands that other threads
 submit (add a request, abort one, read a snapshot).  Each request's outputs
-travel to its consumer's asyncio queue as they are produced.
+travel to its consumer's mailbox as they are produced.
 
 Invariants:
 - a request added here either reaches its consumer until it finishes, or
