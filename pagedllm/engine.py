@@ -352,7 +352,10 @@ class LLMEngine:
         stats.peak_running = max(stats.peak_running, len(scheduled.scheduled))
         stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
         # A fault in one sequence's sampling fails its whole request (every sample of it).
-        failed = {self._group_of[s].request_id: (self._group_of[s], why) for s, why in result.failed.items()}
+        failed = {
+            self._group_of[s].request_id: (self._group_of[s], why, s in result.failed_by_grammar)
+            for s, why in result.failed.items()
+        }
         # Beams do not take their sampled token: the search chooses among their candidates below.
         candidates = {
             s: result.logprobs[s][1]
@@ -366,8 +369,8 @@ class LLMEngine:
         self.scheduler.update(scheduled, sampled)
 
         updated: dict[str, RequestGroup] = {}
-        for group, why in failed.values():
-            self._fail_group(group, why)
+        for group, why, by_grammar in failed.values():
+            self._fail_group(group, why, "structured_output" if by_grammar else None)
             updated[group.request_id] = group
         for group in {self._group_of[s].request_id: self._group_of[s] for s in candidates}.values():
             if self._advance_beams(group, candidates):
@@ -399,9 +402,11 @@ class LLMEngine:
         group.deltas[index] += delta
         group.first_token_time = group.first_token_time or sequence.first_token_time
 
-    def _fail_group(self, group: RequestGroup, why: str) -> None:
-        """End every sequence of a request with an error and free their blocks; the others go on."""
-        group.error = group.error or why
+    def _fail_group(self, group: RequestGroup, why: str, param: str | None = None) -> None:
+        """End every sequence of a request with an error and free their blocks; the others go on.
+        `param`: the request's setting at fault, when its input caused the fault (its grammar)."""
+        if group.error is None:
+            group.error, group.error_param = why, param
         for sequence in reversed(group.sequences):
             self.scheduler.finish(sequence, FinishReason.ERROR)
 

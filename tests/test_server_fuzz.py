@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from server_helpers import serve_subprocess
 
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-num-seqs", "32", "--max-model-len", "1024")
-EXAMPLES = 110  # per endpoint; with the soak, about two minutes on two cores
+EXAMPLES = 60  # per endpoint; with the soak, about a minute on two cores (AVX512-BF16 EPYC)
 
 # --- value strategies ------------------------------------------------------------------
 
@@ -237,7 +237,17 @@ KNOWN_BODIES = [
     ('{"prompt":"Hi","max_tokens":2,"bad_words":' + json.dumps(["w"] * 300) + "}", 400),
     ('{"prompt":"Hi","max_tokens":2,"logit_bias":' + json.dumps({str(i): -100 for i in range(2000)}) + "}", 400),
     ('{"prompt":[49152],"max_tokens":2}', 400),
-    ('{"prompt":"Hi","max_tokens":2,"top_k":1' + "0" * 5000 + "}", 400),
+    # A grammar the grammar engine gives up on after its first token (too many optional properties).
+    (
+        json.dumps(
+            {
+                "prompt": "Hi",
+                "max_tokens": 3,
+                "guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}},
+            }
+        ),
+        400,
+    ),
 ]
 
 
@@ -327,7 +337,7 @@ def test_soak_of_mixed_traffic_keeps_memory_bounded_and_frees_every_block(server
     asyncio.run(soak(6))  # warm: caches, allocator pools, the grammar engine
     warm = rss_bytes(pid)
     start = time.monotonic()
-    asyncio.run(soak(30))
+    asyncio.run(soak(16))
     grown = rss_bytes(pid) - warm
     assert grown < 96 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over {time.monotonic() - start:.0f} s of traffic"
     stats = server.wait_until(lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv"]["used_blocks"] == 0)

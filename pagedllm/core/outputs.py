@@ -112,6 +112,9 @@ class RequestOutput:
     finished: bool  # every completion is finished
     time_to_first_token: float | None = None  # seconds from arrival to the first sampled token
     error: str | None = None  # set when a fault ended this request (finish reason "error")
+    # The setting at fault when the request's own input caused it ("structured_output": a grammar
+    # too complex for the grammar engine); None when the fault was the engine's.
+    error_param: str | None = None
 
     @property
     def text(self) -> str:

@@ -41,6 +41,7 @@ class RequestGroup:
     num_returned: int = 1  # beam search: how many of the best hypotheses to return
     first_token_time: float | None = None
     error: str | None = None  # what ended the request, when a fault did
+    error_param: str | None = None  # the setting at fault, when the request's own input was
     deltas: list[str] = field(init=False)  # text each sequence added since the last output
 
     def __post_init__(self) -> None:
@@ -63,6 +64,7 @@ class RequestGroup:
             finished=all(c.finished for c in completions),
             time_to_first_token=(self.first_token_time - self.arrival_time) if self.first_token_time else None,
             error=self.error,
+            error_param=self.error_param,
         )
 
     def _completion(self, index: int) -> CompletionOutput:

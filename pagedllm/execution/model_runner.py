@@ -52,6 +52,9 @@ class ModelRunnerOutput:
     exhausted: set[str] = field(default_factory=set)
     # Sequences whose sampling raised, with what went wrong: the engine fails their requests.
     failed: dict[str, str] = field(default_factory=dict)
+    # Of those, the ones whose own grammar failed (a constraint too complex for the grammar engine):
+    # the request's input is at fault, not the engine.
+    failed_by_grammar: set[str] = field(default_factory=set)
 
 
 class ModelRunner:
@@ -176,6 +179,7 @@ class ModelRunner:
             except StructuredOutputError as error:
                 logger.warning("structured output failed: %s", error)
                 result.failed[request.request_id] = f"structured output failed: {error}"
+                result.failed_by_grammar.add(request.request_id)
             except Exception as error:
                 logger.exception("sampling failed for %s", request.request_id)
                 result.failed[request.request_id] = f"sampling failed: {error!r}"
@@ -184,6 +188,7 @@ class ModelRunner:
             result.logprobs.update(one.logprobs)
             result.exhausted.update(one.exhausted)
             result.failed.update(one.failed)
+            result.failed_by_grammar.update(one.failed_by_grammar)
         return result
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
@@ -216,6 +221,7 @@ class ModelRunner:
                 except Exception as error:  # this sequence's grammar alone
                     logger.warning("structured output failed: %s", error)
                     output.failed[rid] = f"structured output failed: {error}"
+                    output.failed_by_grammar.add(rid)
             for rid in output.failed:
                 del output.sampled[rid]
         return output

@@ -303,7 +303,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def respond(request: Request, stream: RequestStream, tracker: ChoiceTracker, body: Any) -> Response:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EngineStreamResponse(sse(stream, tracker, include_usage), stream)
+            return EngineStreamResponse(sse(stream, tracker, include_usage, body), stream)
         collect = asyncio.ensure_future(collect_all(stream, tracker))
         try:
             while not collect.done():  # a client that hangs up stops its request
@@ -315,7 +315,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         except EngineDeadError as error:
             raise APIError(503, str(error), "service_unavailable") from None
         except RequestFailedError as error:
-            raise APIError(500, str(error), "internal_error", code="request_failed") from None
+            raise request_failed(error, body) from None
         finally:
             stream.abort()
         return JSONResponse(tracker.response())
@@ -479,7 +479,16 @@ async def collect_all(stream: RequestStream, tracker: ChoiceTracker) -> None:
         tracker.latest[output.request_id] = output
 
 
-async def sse(stream: RequestStream, tracker: ChoiceTracker, include_usage: bool) -> AsyncIterator[str]:
+def request_failed(error: RequestFailedError, body: Any) -> APIError:
+    """A fault that ended one request: a 400 naming the body's field when its own input caused it
+    (a grammar the grammar engine gave up on mid-way), else a 500."""
+    if error.param == "structured_output":
+        field = body.structured_output()[1] or ("tool_choice" if getattr(body, "tools", None) else None)
+        return bad_request(str(error), field)
+    return APIError(500, str(error), "internal_error", code="request_failed")
+
+
+async def sse(stream: RequestStream, tracker: ChoiceTracker, include_usage: bool, body: Any) -> AsyncIterator[str]:
     """Server-sent events; a client that disconnects cancels this generator, and the finally aborts."""
     try:
         if tracker.chat:
@@ -493,7 +502,7 @@ async def sse(stream: RequestStream, tracker: ChoiceTracker, include_usage: bool
     except EngineDeadError as error:
         yield _event(APIError(503, str(error), "service_unavailable").body())
     except RequestFailedError as error:  # this request alone: the others go on
-        yield _event(APIError(500, str(error), "internal_error", code="request_failed").body())
+        yield _event(request_failed(error, body).body())
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

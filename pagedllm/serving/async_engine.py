@@ -53,7 +53,12 @@ class QueueFullError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """A fault while handling this request ended it (the engine goes on serving the others)."""
+    """A fault while handling this request ended it (the engine goes on serving the others).
+    `param` names the request's setting at fault when its own input caused it, else None."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -149,7 +154,7 @@ class RequestStream:
         if item.finished:
             self._unfinished.discard(item.request_id)
             if item.error is not None:
-                raise RequestFailedError(f"request {item.request_id} failed: {item.error}")
+                raise RequestFailedError(f"request {item.request_id} failed: {item.error}", item.error_param)
         return item
 
     def abort(self) -> None:
