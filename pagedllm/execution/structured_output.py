@@ -130,9 +130,10 @@ class StructuredOutputs:
         self.matchers: dict[str, object] = {}
 
     def build_tokenizer(self) -> None:
-        """Build the grammar engine's tokenizer now (a server does so at start, in the background),
-        rather than on the first constrained request."""
-        self._llg_tokenizer()
+        """Build the grammar engine's tokenizer now, and run one small constraint through every
+        stage (compile, matcher, mask): a server does so at start, in the background, rather than
+        make its first constrained request wait (seconds: imports, the vocabulary's trie)."""
+        self.prepare(StructuredOutput(choice=("warm",)))
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -142,6 +143,10 @@ class StructuredOutputs:
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
                 )
             return self._tokenizer
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        """An all-allowed bitmask for `rows` rows (llguidance's own allocator asks CUDA whether to pin)."""
+        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def prepare(self, spec: StructuredOutput) -> None:
         """Compile `spec` and build its first matcher on the calling thread, for `add` to copy."""
@@ -162,7 +167,7 @@ class StructuredOutputs:
         llg = _llguidance()
         matcher = llg.LLMatcher(self._llg_tokenizer(), grammar)
         if first_mask and not matcher.is_error():
-            llg.torch.fill_next_token_bitmask(matcher, llg.torch.allocate_token_bitmask(1, self.vocab_size), 0)
+            llg.torch.fill_next_token_bitmask(matcher, self._bitmask(1), 0)
         if matcher.is_error():
             raise SamplingParamError("structured_output", f"invalid structured output: {_short(matcher.get_error())}")
         return matcher
@@ -190,7 +195,7 @@ class StructuredOutputs:
         if not rows:
             return logits
         llt = _llguidance().torch
-        bitmask = llt.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = self._bitmask(len(rows))
         for j, row in enumerate(rows):
             matcher = self.matchers[sequence_ids[row]]
             if matcher.is_error():  # raised here, the batch is sampled row by row and this row fails alone
