@@ -202,8 +202,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine.is_running:
             engine.start()
-        # Built now rather than by the first constrained request, which would wait for it (seconds).
+        # Built now rather than by the first constrained or chat request, which would wait for it
+        # (seconds for the grammar engine; the chat template's Jinja compile holds the GIL ~0.1 s).
         prep_pool.submit(engine.engine.runner.structured.build_tokenizer)
+        prep_pool.submit(warm_up)
         yield
         engine.shutdown()
         prep_pool.shutdown(wait=False, cancel_futures=True)
@@ -267,6 +269,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     async def prepare(fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a preparation thread: the event loop goes on moving other streams' bytes."""
         return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args))
+
+    def warm_up() -> None:
+        encode("warm")
+        if prep_tokenizer.hf.chat_template:
+            chat_template([{"role": "user", "content": "warm"}])
 
     def encode(text: str) -> list[int]:
         with prep_lock:
