@@ -56,3 +56,28 @@ def test_an_engine_failure_answers_503_and_hangs_no_one():
         again = httpx.post(server.v1 + "/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert again.status_code == 503
         assert not async_engine.is_running
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(monkeypatch):
+    """A template's raise_exception (Gemma's, Mistral's: roles must alternate) is the client's error."""
+    import jinja2
+
+    from pagedllm.text.tokenizer import Tokenizer
+
+    real = Tokenizer.apply_chat_template
+
+    def alternating_only(self, messages, tools=None):
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        if any(a == b for a, b in zip(roles, roles[1:])):
+            raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+        return real(self, messages, tools)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", alternating_only)
+    with serve_in_process(small_engine()) as (server, _):
+        body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "max_tokens": 2}
+        response = httpx.post(server.v1 + "/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "roles must alternate" in error["message"]
+        body["messages"] = body["messages"][:1]
+        assert httpx.post(server.v1 + "/chat/completions", json=body, timeout=60).status_code == 200
