@@ -90,8 +90,7 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(l
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], greedy())] == [alone(llm, p) for p in PROMPTS[:3]]
 
 
-def test_a_forward_pass_that_keeps_failing_stops_the_engine_saying_why(make_llm, monkeypatch):
-    llm = make_llm(kv_cache_memory="64MiB")
+def test_a_forward_pass_that_keeps_failing_stops_the_engine_saying_why(llm, monkeypatch):
     engine = llm.engine
 
     def run(chunks, copies):
