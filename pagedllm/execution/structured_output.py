@@ -182,10 +182,6 @@ class StructuredOutputs:
         for sequence_id in sequence_ids:
             self.matchers[sequence_id] = template.deep_copy()
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        if parent_id in self.matchers:
-            self.matchers[child_id] = self.matchers[parent_id].deep_copy()
-
     def release(self, sequence_id: str) -> None:
         self.matchers.pop(sequence_id, None)
 
