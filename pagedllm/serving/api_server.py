@@ -422,8 +422,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send either prompt (text) or messages (a chat)", "prompt")
         if body.messages is not None:
-            chat = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-            tokens = chat_template(chat)
+            tokens = chat_template([m.for_template() for m in body.messages])
         else:
             with prep_lock:
                 tokens = prep_tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)

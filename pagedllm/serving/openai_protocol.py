@@ -256,6 +256,10 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it; OpenAI's `developer` role is a system message."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
     def text(self) -> str:
         if self.content is None:
             if self.role == "assistant" and self.tool_calls:
@@ -339,7 +343,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return dataclasses.replace(params, structured_output=constraint)
 
     def conversation(self, template_takes_tools: bool = False) -> list[dict[str, str]]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        messages = [m.for_template() for m in self.messages]
         mode = self.tool_mode(template_takes_tools)
         if mode is not None and not mode.in_template:  # the tools as a system message after the client's own
             at = 1 if messages and messages[0]["role"] == "system" else 0
