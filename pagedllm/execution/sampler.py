@@ -55,14 +55,16 @@ class Sampler:
         if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
             processed = constrain(processed.clone() if processed is logits else processed)
         tokens = self._pick(processed, params, generators)
-        token_list: list[int | None] = tokens.tolist()
         # A row whose pick is no allowed token (its logit -inf or NaN, or an id past the vocabulary:
-        # every token masked, or NaN logits) is looked at again alone; the usual step pays one gather.
+        # every token masked, or NaN logits) comes back as -1 and is looked at again alone; the
+        # usual step pays one gather, and still one wait for the ids.
         vocab = processed.shape[1]
         picked = processed.gather(1, tokens.clamp(max=vocab - 1)[:, None]).squeeze(1)
-        bad = ((tokens >= vocab) | ~torch.isfinite(picked)).nonzero().flatten().tolist()
-        for row in bad:
-            token_list[row] = self._pick_alone(processed[row], params[row], generators[row])
+        bad = (tokens >= vocab) | ~torch.isfinite(picked)
+        token_list: list[int | None] = torch.where(bad, -1, tokens).tolist()
+        for row, token in enumerate(token_list):
+            if token == -1:
+                token_list[row] = self._pick_alone(processed[row], params[row], generators[row])
         return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
 
     def _pick(
