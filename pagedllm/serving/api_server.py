@@ -204,8 +204,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             engine.start()
         # Built now rather than by the first constrained or chat request, which would wait for it
         # (seconds for the grammar engine; the chat template's Jinja compile holds the GIL ~0.1 s).
-        prep_pool.submit(engine.engine.runner.structured.build_tokenizer)
-        prep_pool.submit(warm_up)
+        prep_pool.submit(warm_up, engine.engine.runner.structured.build_tokenizer)
+        prep_pool.submit(warm_up, warm_up_text)
         yield
         engine.shutdown()
         prep_pool.shutdown(wait=False, cancel_futures=True)
@@ -270,7 +270,13 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         """Run `fn(*args)` on a preparation thread: the event loop goes on moving other streams' bytes."""
         return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args))
 
-    def warm_up() -> None:
+    def warm_up(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as error:  # the first request that needs it will say why, as a 4xx
+            logger.warning("warming up %s at start failed: %r", getattr(fn, "__name__", fn), error)
+
+    def warm_up_text() -> None:
         encode("warm")
         if prep_tokenizer.hf.chat_template:
             chat_template([{"role": "user", "content": "warm"}])
