@@ -70,6 +70,32 @@ def test_a_request_whose_sampling_raises_ends_alone_mid_batch(llm, monkeypatch):
     assert all(o.finish_reason == "length" and o.error is None for o in others)
 
 
+def test_a_grammar_that_fails_while_masking_ends_its_request_alone(llm, monkeypatch):
+    """A matcher the grammar engine gave up on raises when its mask is filled: the batch is then
+    sampled row by row, and only that request fails (a 400 on its field, over HTTP)."""
+    from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
+
+    expected = [alone(llm, p) for p in PROMPTS[:2]]
+    real = StructuredOutputs.apply_masks
+    poisoned: set[str] = set()
+
+    def apply_masks(self, logits, sequence_ids):
+        if not poisoned:
+            poisoned.update(s for s in sequence_ids if s in self.matchers)
+        for sequence_id in sequence_ids:
+            if sequence_id in poisoned:
+                raise StructuredOutputError(sequence_id, "injected: the grammar is too complex")
+        return real(self, logits, sequence_ids)
+
+    monkeypatch.setattr(StructuredOutputs, "apply_masks", apply_masks)
+    # The constrained request sits first in the batch: the row-by-row pass meets it before any other.
+    constrained = greedy(structured_output=StructuredOutput(regex="[a-z ]+"))
+    outputs = llm.generate(["Say hi:", *PROMPTS[:2]], [constrained, greedy(), greedy()])
+    assert outputs[0].finish_reason == "error" and outputs[0].error_param == "structured_output"
+    assert "too complex" in outputs[0].error
+    assert [o.token_ids for o in outputs[1:]] == expected
+
+
 def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(llm, monkeypatch):
     engine = llm.engine
     real_run = engine.runner.run

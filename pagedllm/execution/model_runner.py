@@ -180,6 +180,7 @@ class ModelRunner:
                 logger.warning("structured output failed: %s", error)
                 result.failed[request.request_id] = f"structured output failed: {error}"
                 result.failed_by_grammar.add(request.request_id)
+                continue
             except Exception as error:
                 logger.exception("sampling failed for %s", request.request_id)
                 result.failed[request.request_id] = f"sampling failed: {error!r}"
