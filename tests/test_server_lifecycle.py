@@ -107,18 +107,29 @@ def test_sigterm_drains_a_running_stream_then_exits_zero():
     assert "Traceback" not in stderr and "terminate called" not in stderr
 
 
-def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
-    process, url = start_server("--shutdown-timeout", "1")
+def signal_during_a_long_stream(shutdown_timeout: str, signals: list[signal.Signals]) -> tuple[int, float, dict, str]:
+    """A server streaming 2,000 tokens gets `signals` (0.5 s apart); (exit code, seconds from the
+    last signal to the exit, the stream's result, the server's stderr)."""
+    process, url = start_server("--shutdown-timeout", shutdown_timeout)
     try:
         thread, result = stream_in_background(url, 2000)
         wait_for_chunks(result, 5)
+        for sig in signals[:-1]:
+            process.send_signal(sig)
+            time.sleep(0.5)
+            assert process.poll() is None  # draining the stream
         start = time.monotonic()
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signals[-1])
         code = process.wait(timeout=30)
         elapsed = time.monotonic() - start
         thread.join(10)
     finally:
         stderr = stop_after(process)
+    return code, elapsed, result, stderr
+
+
+def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
+    code, elapsed, result, stderr = signal_during_a_long_stream("1", [signal.SIGTERM])
     assert code == 0
     assert elapsed < 1 + 1  # the drain timeout plus a second
     assert result["finish_reason"] is None  # cut, not finished
@@ -127,19 +138,7 @@ def test_the_drain_timeout_aborts_what_is_left_and_frees_its_blocks():
 
 
 def test_a_second_sigint_exits_at_once_and_cleanly():
-    process, url = start_server("--shutdown-timeout", "120")
-    try:
-        thread, result = stream_in_background(url, 2000)
-        wait_for_chunks(result, 5)
-        process.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        assert process.poll() is None  # draining the stream
-        start = time.monotonic()
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=10)
-        elapsed = time.monotonic() - start
-    finally:
-        stderr = stop_after(process)
+    code, elapsed, _, stderr = signal_during_a_long_stream("120", [signal.SIGINT, signal.SIGINT])
     assert code == 128 + signal.SIGINT
     assert elapsed < 2
     assert "SIGINT again: exiting now without draining" in stderr
