@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.attention import cpp_attention, reference_attention, torch_attention
-from pagedllm.execution.attention_metadata import build_attention_metadata
+from pagedllm.layers.attention import cpp_attention, reference_attention, torch_attention
+from pagedllm.layers.attention_metadata import build_attention_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

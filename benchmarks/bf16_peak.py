@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pagedllm.execution.cpu_kernels import cpu_flags, cpu_summary
+from pagedllm.layers.cpu_kernels import cpu_flags, cpu_summary
 
 SOURCE = r"""
 #include <omp.h>

@@ -24,8 +24,8 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.cpu_kernels import cpu_summary
 from pagedllm.execution.thread_control import AdaptiveThreads, allowed_cpus
+from pagedllm.layers.cpu_kernels import cpu_summary
 
 BUSY_LOOP = "while True: pass"
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from pagedllm.execution.attention import cpp_attention, torch_attention
-from pagedllm.execution.attention_metadata import build_attention_metadata
+from pagedllm.layers.attention import cpp_attention, torch_attention
+from pagedllm.layers.attention_metadata import build_attention_metadata
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 For each batch: that many requests with random prompts of `--context` tokens are
 prefilled, then decode steps run in blocks of `--block` steps, the fused step
-(pagedllm/execution/fused_decode.py) and the layer loop taking turns (in alternating
+(pagedllm/layers/fused_decode.py) and the layer loop taking turns (in alternating
 order), `--rounds` blocks each.  Alternating in one process keeps the comparison fair on
 a noisy machine: both see the same contexts (growing by one a step) and the same
 neighbours.  Every timed step is checked to decode exactly `batch` requests (that the two

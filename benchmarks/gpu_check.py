@@ -152,8 +152,8 @@ def _bench_ms(fn) -> float:
 def kernel() -> dict:
     import torch.nn.functional as F
 
-    from pagedllm.execution.attention_metadata import build_attention_metadata
-    from pagedllm.execution.triton_attention import triton_attention
+    from pagedllm.layers.attention_metadata import build_attention_metadata
+    from pagedllm.layers.triton_attention import triton_attention
 
     torch.manual_seed(0)
     heads, kv_heads, d, bs, dtype = 9, 3, 64, 16, torch.bfloat16

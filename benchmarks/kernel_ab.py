@@ -1,7 +1,7 @@
 """Two versions of the C++ CPU kernels side by side, in one process.
 
     git worktree add /tmp/before COMMIT      # or any copy of an older tree
-    python benchmarks/kernel_ab.py --a /tmp/before/pagedllm/execution/csrc --kernel decode
+    python benchmarks/kernel_ab.py --a /tmp/before/pagedllm/layers/csrc --kernel decode
 
 Builds the library from each `csrc` folder (`--a`, and `--b`, default this tree's) with the
 flags the engine uses, checks the two give the same outputs (the largest difference is
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.execution.cpu_kernels import _FLAGS, _SOURCES, CpuKernels, cpu_summary
+from pagedllm.layers.cpu_kernels import _FLAGS, _SOURCES, CpuKernels, cpu_summary
 
 HERE = Path(__file__).resolve().parent.parent / "pagedllm" / "execution" / "csrc"
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16

@@ -3,7 +3,7 @@
     python benchmarks/linear_backends.py
 
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
-weight reordered once (`pagedllm/execution/linear.py`).  float32; GFLOP/s, the two
+weight reordered once (`pagedllm/layers/linear.py`).  float32; GFLOP/s, the two
 backends interleaved round by round.  Then the small-batch `packed_gemm`
 (csrc/small_gemm.cpp) against oneDNN at 1-512 rows over all of SmolLM2's
 projections in turn (30 layers, 406 MiB in float32, 203 MiB in bfloat16, so
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pagedllm.execution.linear import Linear, onednn_supports
+from pagedllm.layers.linear import Linear, onednn_supports
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -49,7 +49,7 @@ def main() -> None:
 
 
 def small_batch_against_onednn(dtype: torch.dtype, layers: int = 30, rounds: int = 8) -> None:
-    from pagedllm.execution.cpu_kernels import cpu_summary, load_cpu_kernels
+    from pagedllm.layers.cpu_kernels import cpu_summary, load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None:

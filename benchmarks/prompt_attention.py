@@ -9,7 +9,7 @@ through a shuffled block table; `sdpa` is the path `cpp_attention` takes for
 prompts of at least SDPA_MIN_PROMPT tokens (gather the blocks, then
 `scaled_dot_product_attention(is_causal=True)`).  Both are checked against each
 other; times are medians of interleaved rounds.  The crossover sets
-SDPA_MIN_PROMPT in pagedllm/execution/attention.py.
+SDPA_MIN_PROMPT in pagedllm/layers/attention.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.execution.attention import _prefill_sdpa
-from pagedllm.execution.attention_metadata import build_attention_metadata
-from pagedllm.execution.cpu_kernels import cpu_summary, load_cpu_kernels
+from pagedllm.layers.attention import _prefill_sdpa
+from pagedllm.layers.attention_metadata import build_attention_metadata
+from pagedllm.layers.cpu_kernels import cpu_summary, load_cpu_kernels
 
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}
 BLOCK = 16

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.cpu_kernels import cpu_summary
+from pagedllm.layers.cpu_kernels import cpu_summary
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ the timed steps, and they are aborted afterwards.
   tensors, and updating requests (append, stops, detokenizing, outputs),
   plus whatever of `LLMEngine.step()` none of the above covers.
 
-Where a decode-only step runs all layers in one C++ call (pagedllm/execution/fused_decode.py),
+Where a decode-only step runs all layers in one C++ call (pagedllm/layers/fused_decode.py),
 attention happens inside it and is not timed apart; `--no-fused` runs the Python layer
 loop instead, where it is.  Each result says which ran (`fused_decode`).
 """
@@ -33,7 +33,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.cpu_kernels import cpu_summary
+from pagedllm.layers.cpu_kernels import cpu_summary
 
 
 def timed(totals: dict[str, float], name: str, fn):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.benchmarking.throughput import print_result  # noqa: E402
 from pagedllm.core.sampling_params import StructuredOutput  # noqa: E402
-from pagedllm.execution.cpu_kernels import cpu_summary  # noqa: E402
+from pagedllm.layers.cpu_kernels import cpu_summary  # noqa: E402
 
 SCHEMA = {
     "type": "object",

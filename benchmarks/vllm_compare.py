@@ -34,12 +34,12 @@ from pathlib import Path
 
 from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
 from pagedllm.benchmarking.throughput import print_result, run_on_engine
+from pagedllm.cache_dir import cache_dir
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.cpu_kernels import cpu_summary
 from pagedllm.execution.rank_model import resolve_dtype
+from pagedllm.layers.cpu_kernels import cpu_summary
 from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
-from pagedllm.text.tokenizer import _cache_dir
 
 VLLM_RUNNER = textwrap.dedent(
     """
@@ -67,7 +67,7 @@ VLLM_RUNNER = textwrap.dedent(
 
 def hf_directory(name: str) -> Path:
     """A bundled model's GGUF as a Hugging Face directory (float32 safetensors + tokenizer), made once."""
-    target = _cache_dir() / f"hf-{name}"
+    target = cache_dir(f"hf-{name}")
     if (target / "config.json").is_file():
         return target
     import torch
@@ -132,7 +132,7 @@ def main() -> int:
     if args.workload is None:  # random token ids below both engines' vocabulary, saved for vLLM to read
         vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 49152)
         spec = DatasetSpec("random", args.num_requests or 16, args.input_len, args.output_len)
-        args.workload = str(_cache_dir() / f"random-{spec.num_prompts}x{args.input_len}+{args.output_len}.jsonl")
+        args.workload = str(cache_dir(f"random-{spec.num_prompts}x{args.input_len}+{args.output_len}.jsonl"))
         save_workload(generate_dataset(spec, vocab), args.workload)
     requests = load_workload(args.workload, args.num_requests)
     args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named

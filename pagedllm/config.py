@@ -43,8 +43,8 @@ class EngineConfig:
     prefill_tokens_with_decodes: int | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own context length
-    attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/execution/attention.py)
-    linear: str = "auto"  # auto | onednn | torch (see pagedllm/execution/linear.py); auto adds the small-batch kernels
+    attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/layers/attention.py)
+    linear: str = "auto"  # auto | onednn | torch (see pagedllm/layers/linear.py); auto adds the small-batch kernels
     num_threads: int | None = None  # threads per step; None: the cores other processes leave free, measured live
     adaptive_threads: bool = True  # with num_threads None: False keeps one thread per core whatever else runs
     seed: int = 0  # seeds the sampler for requests without a seed of their own

@@ -22,13 +22,11 @@ from pagedllm.core.request_group import RequestGroup, text_token_ids
 from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
-from pagedllm.distributed.tensor_parallel import (
-    TensorParallel,
-)
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import build_rank_model
 from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import AdaptiveThreads
+from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.text.detokenizer import IncrementalDetokenizer
 from pagedllm.text.tokenizer import Tokenizer
 

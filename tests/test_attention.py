@@ -7,13 +7,13 @@ import platform
 import pytest
 import torch
 
-from pagedllm.execution.attention import (
+from pagedllm.layers.attention import (
     cpp_attention,
     reference_attention,
     torch_attention,
     write_kv,
 )
-from pagedllm.execution.attention_metadata import build_attention_metadata
+from pagedllm.layers.attention_metadata import build_attention_metadata
 
 FAST_PATHS = [torch_attention, cpp_attention]
 
@@ -98,7 +98,7 @@ def test_fast_paths_match_reference_bfloat16(attention):
 
 
 def test_cpp_kernel_builds_here():
-    from pagedllm.execution.cpu_kernels import load_cpu_kernels
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
     assert load_cpu_kernels() is not None, "the C++ kernels should build on this machine (g++)"
 
@@ -135,7 +135,7 @@ def _older_instruction_sets() -> list[str]:
     """-march targets this CPU can run that leave out some of its kernel paths."""
     if platform.machine() != "x86_64":
         return []
-    from pagedllm.execution.cpu_kernels import cpu_flags
+    from pagedllm.layers.cpu_kernels import cpu_flags
 
     return ["haswell"] + (["skylake-avx512"] if "avx512f" in cpu_flags().split() else [])
 
@@ -148,8 +148,8 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     run; they must agree with the reference too."""
     import ctypes
 
-    import pagedllm.execution.attention as attention_module
-    from pagedllm.execution.cpu_kernels import CpuKernels, build_library
+    import pagedllm.layers.attention as attention_module
+    from pagedllm.layers.cpu_kernels import CpuKernels, build_library
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
@@ -211,7 +211,7 @@ def test_head_dims_64_128_256(attention, head_dim, window, dtype):
 
 
 def test_cpp_attention_is_chosen_for_every_supported_head_dim(caplog):
-    from pagedllm.execution.attention import select_attention
+    from pagedllm.layers.attention import select_attention
 
     with caplog.at_level("WARNING", logger="pagedllm"):
         for head_dim in (64, 128, 256):
@@ -229,7 +229,7 @@ def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypat
     kernels: a mixed step (a whole prompt over the threshold, one under it, a chunk over cached
     context, decodes) equals the reference, and the SDPA path was taken (or not, when the window
     cuts the prompt)."""
-    import pagedllm.execution.attention as attention_module
+    import pagedllm.layers.attention as attention_module
 
     taken: list[list[int]] = []
     sdpa = attention_module._prefill_sdpa

@@ -1,4 +1,4 @@
-"""The one-call decode step (pagedllm/execution/fused_decode.py) gives the layer loop's output
+"""The one-call decode step (pagedllm/layers/fused_decode.py) gives the layer loop's output
 to the bit, runs only the steps it can, and is off where the model or kernels do not fit."""
 
 import pytest
@@ -8,10 +8,19 @@ from hf_reference import save_random_llama
 
 from pagedllm import LLM
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.execution.cpu_kernels import load_cpu_kernels
-from pagedllm.execution.fused_decode import FusedDecode
+from pagedllm.execution.rank_model import select_fused_decode
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.fused_decode import FusedDecode
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ kernels do not build here")
+
+
+def skip_without_float32_packed_gemm() -> None:
+    """The fused step needs the small-batch kernels for the model's dtype; every CPU class with
+    the C++ kernels has them for float32 (4 rows on AVX2, 32 on AVX-512), so a skip here means
+    the build lost them."""
+    if load_cpu_kernels().packed_gemm_max_rows[torch.float32] == 0:
+        pytest.skip("no float32 packed_gemm in this build: the fused step cannot run")
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +105,12 @@ def test_fused_decode_with_a_sliding_window(tmp_path, monkeypatch):
         tmp_path, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2,
     )  # fmt: skip
+    skip_without_float32_packed_gemm()
     llm = LLM(str(tmp_path), dtype="float32", block_size=8, kv_cache_memory="8MiB", enable_prefix_caching=False)
     model = llm.engine.runner.model
     for layer in model.layers:
         layer.window = 12
-    model.fused_decode = model.build_fused_decode()
+    model.fused_decode = select_fused_decode(model, model.ops, model.attention)
     rows = count_fused_steps(model, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (4, 20, 31)]
@@ -111,19 +121,19 @@ def test_fused_decode_with_a_sliding_window(tmp_path, monkeypatch):
 
 
 def test_fused_decode_is_off_where_it_does_not_fit(tiny_llama, monkeypatch):
+    """On by default where the kernels run; off when turned off, or when attention or the
+    projections are not the C++ kernels it calls."""
+    skip_without_float32_packed_gemm()
+
+    def fused(**kwargs):
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", **kwargs)
+        return llm.engine.runner.model.fused_decode
+
+    assert fused() is not None
+    assert fused(attention="torch") is None
+    assert fused(linear="onednn") is None
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
-    assert LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB").engine.runner.model.fused_decode is None
-    monkeypatch.delenv("PAGEDLLM_FUSED_DECODE")
-    assert (
-        LLM(
-            str(tiny_llama), dtype="float32", attention="torch", kv_cache_memory="8MiB"
-        ).engine.runner.model.fused_decode
-        is None
-    )
-    assert (
-        LLM(str(tiny_llama), dtype="float32", linear="onednn", kv_cache_memory="8MiB").engine.runner.model.fused_decode
-        is None
-    )
+    assert fused() is None
 
 
 def test_smollm2_decodes_the_same_through_the_fused_step(make_llm, monkeypatch):
@@ -139,3 +149,4 @@ def test_smollm2_decodes_the_same_through_the_fused_step(make_llm, monkeypatch):
     assert rows
     assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
     assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
+    assert_no_blocks_held(llm)

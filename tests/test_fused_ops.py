@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.execution.cpu_kernels import load_cpu_kernels
-from pagedllm.execution.fused_ops import CppOps, Rotary, TorchOps, select_ops
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.fused_ops import CppOps, Rotary, TorchOps, select_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -92,7 +92,7 @@ def test_select_ops() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 32, 33])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 50), (576, 1536), (32, 1)])
 def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, out_features: int, in_features: int):
-    from pagedllm.execution.linear import Linear
+    from pagedllm.layers.linear import Linear
 
     gen = torch.Generator().manual_seed(out_features + rows)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05
@@ -112,7 +112,7 @@ def test_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, ou
 @pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 32, 33, 600])  # 600: past the limit, to oneDNN
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (37, 64), (576, 1536), (33, 2)])
 def test_bfloat16_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows: int, out_features, in_features):
-    from pagedllm.execution.linear import Linear
+    from pagedllm.layers.linear import Linear
 
     kernels = cpp.small_batch
     if not kernels.packed_gemm_max_rows[torch.bfloat16]:

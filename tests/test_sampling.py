@@ -134,7 +134,7 @@ def test_bad_sampling_params_are_value_errors(kwargs, message):
 
 
 def test_sampler_with_the_cpp_argmax_picks_what_torch_picks():
-    from pagedllm.execution.cpu_kernels import load_cpu_kernels
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))

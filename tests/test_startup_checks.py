@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedllm.core.startup_checks import (
+from pagedllm.execution.startup_checks import (
     available_memory_bytes,
     check_kv_cache_memory,
     check_max_model_len,

@@ -160,8 +160,8 @@ def test_grammar_masks_equal_llguidance_eager_and_in_cpp(vocab, width):
     first constrained step): eagerly in torch, and by the C++ kernel; both give its exact result."""
     import llguidance.torch as llt
 
-    from pagedllm.execution.cpu_kernels import load_cpu_kernels
     from pagedllm.execution.structured_output import apply_bitmask
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
     torch.manual_seed(0)
     words = (vocab + 31) // 32

@@ -12,12 +12,14 @@ import time
 
 import pytest
 import torch
+from conftest import assert_no_blocks_held
 from hf_reference import greedy, save_random_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.launcher import WorkerDiedError
-from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel, check_tensor_parallel_size
-from pagedllm.models.loader import ModelConfig
+from pagedllm.layers.tensor_parallel import TensorParallel
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size
 
 TINY_ARGS = dict(dtype="float32", block_size=8, kv_cache_memory="4MiB", max_model_len=256)
 
@@ -120,8 +122,8 @@ def test_tiny_llama_tp_matches_one_rank(tiny4, tiny4_reference, size):
     with LLM(tiny4, tensor_parallel_size=size, **TINY_ARGS) as llm:
         memory = llm.engine.rank_memory
         outputs, logits = run_recording_logits(llm, prompts, greedy(20))
-        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
         assert llm.engine.runner.step_message_bytes > 0
+        assert_no_blocks_held(llm)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert len(logits) == len(expected_logits)
     for ours, reference in zip(logits, expected_logits):
@@ -149,6 +151,7 @@ def test_smollm2_tp3_greedy_matches_one_rank(make_llm):
     with LLM(dtype="float32", tensor_parallel_size=3, kv_cache_memory="512MiB") as llm:
         outputs = llm.generate(prompts, greedy(24))
         weights = [m.weight_bytes for m in llm.engine.rank_memory]
+        assert_no_blocks_held(llm)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert [o.text for o in outputs] == [o.text for o in expected]
     assert len(set(weights)) == 1
@@ -167,8 +170,7 @@ def test_prefix_caching_forks_and_beam_search_under_tp(tiny4):
         beams = llm.beam_search([prompts[0]], beam_width=3, max_tokens=8)
         scheduler = llm.engine.scheduler
         stats = (scheduler.prefix_cache_hit_tokens, scheduler.num_forks, scheduler.num_cow_copies)
-        kv = llm.engine.kv_cache
-        assert kv.num_free_blocks == kv.num_blocks
+        assert_no_blocks_held(llm)
         tokens = [[c.token_ids for c in o.outputs] for o in (*first, *second, *beams)]
         return tokens, stats
 
@@ -346,6 +348,7 @@ def test_other_architectures_at_two_ranks_match_one_rank(name, tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", block_size=8, kv_cache_memory="16MiB", tensor_parallel_size=2)
     try:
         outputs = [o.token_ids for o in llm.generate(prompts, greedy(12))]
+        assert_no_blocks_held(llm)
     finally:
         llm.shutdown()
     assert outputs == [hf_greedy(hf_model, prompt, 12) for prompt in prompts]

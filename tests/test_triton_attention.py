@@ -13,8 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run
 
 from test_attention import WINDOWED, make_batch  # noqa: E402
 
-from pagedllm.execution.attention import reference_attention  # noqa: E402
-from pagedllm.execution.triton_attention import triton_attention  # noqa: E402
+from pagedllm.layers.attention import reference_attention  # noqa: E402
+from pagedllm.layers.triton_attention import triton_attention  # noqa: E402
 
 
 def random_shapes(seed: int, count: int) -> list[tuple[int, int]]:
@@ -58,8 +58,8 @@ def test_triton_kernel_ignores_slots_outside_every_context():
 
 
 def test_attention_selection_picks_triton_on_cuda_only():
-    from pagedllm.execution.attention import select_attention
-    from pagedllm.execution.attention import triton_attention as lazy_triton
+    from pagedllm.layers.attention import select_attention
+    from pagedllm.layers.attention import triton_attention as lazy_triton
 
     assert select_attention("auto", 64, device="cuda") is lazy_triton
     assert select_attention("auto", 64, device="cpu") is not lazy_triton

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, cdiv
+from pagedllm.core.arith import cdiv
+from pagedllm.core.kv_cache_manager import FREED, KVCacheManager
 from pagedllm.core.layer_groups import group_layers
 
 GEMMA_270M_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import bisect
 
-from pagedllm.core.kv_cache_manager import AllocationResult, cdiv
+from pagedllm.core.arith import cdiv
+from pagedllm.core.kv_cache_manager import AllocationResult
 
 RESERVE_MODES = ("max-model-len", "request")
 

@@ -27,13 +27,10 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
+from pagedllm.core.arith import cdiv
 from pagedllm.core.block_pool import BlockPool
 
 FREED = -1  # a sliding group's table entry whose block went back to the pool
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def block_key(parent: bytes, token_ids: list[int]) -> bytes:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedllm.core.beam_search import BeamSearchState, Hypothesis
 from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.core.request import FinishReason, Request
 
-if TYPE_CHECKING:  # the engine hands each group its detokenizers; the core never builds one
-    from pagedllm.text.detokenizer import IncrementalDetokenizer
+
+class TextSoFar(Protocol):
+    """What a group reads of a sequence's detokenizer (pagedllm/text/detokenizer.py): the engine
+    hands each group its detokenizers, and the core never builds one."""
+
+    text: str
 
 
 def text_token_ids(request: Request, eos_token_id: int | None) -> list[int]:
@@ -36,7 +40,7 @@ class RequestGroup:
     request_id: str
     prompt: str | None
     sequences: list[Request]
-    detokenizers: list[IncrementalDetokenizer]  # one per sequence (none for beam search)
+    detokenizers: list[TextSoFar]  # one per sequence (none for beam search)
     beam: BeamSearchState | None = None  # beam search: `sequences` are the live beams
     num_returned: int = 1  # beam search: how many of the best hypotheses to return
     first_token_time: float | None = None

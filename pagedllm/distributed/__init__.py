@@ -1,1 +1,1 @@
-"""Tensor parallelism: weight slices per rank, starting and watching ranks, the worker loop."""
+"""Tensor parallelism across processes: starting and watching ranks, and the worker loop."""

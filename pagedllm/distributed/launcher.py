@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.step_message import shutdown_message
-from pagedllm.distributed.tensor_parallel import TensorParallel
+from pagedllm.layers.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("pagedllm")
 

@@ -30,9 +30,9 @@ from pagedllm.distributed.launcher import (
     rss_bytes,
     threads_per_rank,
 )
-from pagedllm.distributed.tensor_parallel import TensorParallel
 from pagedllm.execution.model_runner import ModelRunner
 from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.layers.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("pagedllm")
 

@@ -1,1 +1,1 @@
-"""Model execution: a step's tensors, the attention and linear kernels, sampling, threads."""
+"""Model execution: a step turned into tensors, the model built for this device, sampling, threads."""

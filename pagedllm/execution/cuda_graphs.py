@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.step_message import Chunk
-from pagedllm.execution.attention_metadata import build_attention_metadata, group_block_tables
+from pagedllm.layers.attention_metadata import build_attention_metadata, group_block_tables
 
 logger = logging.getLogger("pagedllm")
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.startup_checks import GpuMemoryPlan, plan_gpu_memory
 from pagedllm.core.step_message import ChunkPlan
 from pagedllm.execution.cuda_graphs import graph_batch_sizes
 from pagedllm.execution.model_runner import ModelRunner
+from pagedllm.execution.startup_checks import GpuMemoryPlan, plan_gpu_memory
 
 
 def profile_step_bytes(

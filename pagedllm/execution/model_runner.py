@@ -27,10 +27,10 @@ from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
-from pagedllm.execution.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
+from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.models.llama import LlamaModel
 
 logger = logging.getLogger("pagedllm")

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.layer_groups import LayerGroups, group_layers
-from pagedllm.core.startup_checks import (
+from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
     check_kv_cache_memory,
@@ -23,18 +23,16 @@ from pagedllm.core.startup_checks import (
     format_bytes,
     resolve_device,
 )
-from pagedllm.distributed.tensor_parallel import (
-    ShardLayout,
-    TensorParallel,
-    check_tensor_parallel_size,
-    shard_hf_weights,
-)
-from pagedllm.execution.attention import select_attention
-from pagedllm.execution.fused_ops import select_ops
-from pagedllm.execution.linear import resolve_linear_backend
-from pagedllm.models.llama import LlamaModel
-from pagedllm.models.loader import ModelConfig, load_weights, resolve_model_path
+from pagedllm.layers.attention import cpp_attention, select_attention
+from pagedllm.layers.fused_decode import FusedDecode, fused_decode_enabled
+from pagedllm.layers.fused_ops import CppOps, LayerOps, select_ops
+from pagedllm.layers.linear import resolve_linear_backend
+from pagedllm.layers.tensor_parallel import TensorParallel
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.llama import AttentionFn, LlamaModel
+from pagedllm.models.loader import load_weights, resolve_model_path
 from pagedllm.models.registry import model_class
+from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size, shard_hf_weights
 
 logger = logging.getLogger("pagedllm")
 
@@ -93,6 +91,14 @@ class RankModel:
     memory_plan: str | None = None  # CUDA: how the device's memory was shared out (logged at start)
 
 
+def select_fused_decode(model: LlamaModel, ops: LayerOps, attention: AttentionFn) -> FusedDecode | None:
+    """The one-call decode step where this rank runs the C++ kernels for both attention and the
+    elementwise ops (and PAGEDLLM_FUSED_DECODE is not 0) and the model's layers fit it."""
+    if not (fused_decode_enabled() and isinstance(ops, CppOps) and attention is cpp_attention):
+        return None
+    return model.build_fused_decode(ops.kernels)
+
+
 def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     path = resolve_model_path(config.model)
     device = select_device(config.device, tp)
@@ -125,6 +131,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     # linear=auto adds the small-batch packed GEMM (and its packed weight copy) where it runs; a named
     # backend is used alone.
     model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
+    model.fused_decode = select_fused_decode(model, ops, attention)
     del weights
     return_freed_memory()
 

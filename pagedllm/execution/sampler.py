@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.execution.cpu_kernels import CpuKernels
 from pagedllm.execution.logits_processors import TokenHistory, process_logits
+from pagedllm.layers.cpu_kernels import CpuKernels
 
 
 @dataclass

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
-from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.fused_ops import LayerOps, Rotary
+from pagedllm.layers.attention_metadata import AttentionMetadata
+from pagedllm.layers.fused_ops import LayerOps, Rotary
+from pagedllm.layers.tensor_parallel import TensorParallel
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, per_layer
-from pagedllm.models.loader import ModelConfig
+from pagedllm.models.sharding import ShardLayout
 
 
 def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed.tensor_parallel import ShardLayout, TensorParallel
-from pagedllm.execution.attention import cpp_attention
-from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.fused_decode import FusedDecode, FusedLayer, fused_decode_enabled
-from pagedllm.execution.fused_ops import CppOps, LayerOps, Rotary, TorchOps, rms_norm
-from pagedllm.execution.linear import Linear
-from pagedllm.models.loader import ModelConfig
+from pagedllm.layers.attention_metadata import AttentionMetadata
+from pagedllm.layers.cpu_kernels import CpuKernels
+from pagedllm.layers.fused_decode import FusedDecode, FusedLayer
+from pagedllm.layers.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.tensor_parallel import TensorParallel
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.sharding import ShardLayout
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
@@ -105,7 +106,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The model, or with `tp` one rank's slice of it (see pagedllm/distributed/tensor_parallel.py);
+    """The model, or with `tp` one rank's slice of it (see pagedllm/layers/tensor_parallel.py);
     load it with `load_hf_weights` after `shard_hf_weights`."""
 
     layer_class = DecoderLayer
@@ -138,13 +139,15 @@ class LlamaModel(nn.Module):
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
         self.lm_head_linear: Linear | None = None
-        self.fused_decode: FusedDecode | None = None  # decode-only steps in one C++ call, where it applies
+        # Decode-only steps in one C++ call: set by the execution layer (pagedllm/execution/rank_model.py)
+        # from `build_fused_decode` where it chose the C++ kernels; None runs the layer loop.
+        self.fused_decode: FusedDecode | None = None
 
     def load_hf_weights(
         self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
     ) -> None:
         """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
-        build the projections with `linear_backend` (see pagedllm/execution/linear.py), with the
+        build the projections with `linear_backend` (see pagedllm/layers/linear.py), with the
         C++ small-batch kernels for steps of a few rows where `small_batch` and the CPU allow."""
 
         def take(name: str) -> torch.Tensor:
@@ -179,15 +182,14 @@ class LlamaModel(nn.Module):
         # copy would cost 108 MiB for SmolLM2, 640 MiB for Gemma 3).
         lm_head_kernels = kernels if self.lm_head.dtype == torch.bfloat16 else None
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend, lm_head_kernels)
-        self.fused_decode = self.build_fused_decode()
 
-    def build_fused_decode(self) -> FusedDecode | None:
-        """The one-call decode step (pagedllm/execution/fused_decode.py) where this model's layers are
-        plain llama ones on the C++ kernels with every projection packed, else None."""
+    def build_fused_decode(self, kernels: CpuKernels) -> FusedDecode | None:
+        """This model's decode-only step in one call to `kernels` (pagedllm/layers/fused_decode.py),
+        or None where that call cannot run its layers exactly as the loop does: biases, q/k norm,
+        a subclass's own layer math, tensor parallelism, or a projection not packed for the
+        small-batch kernels.  The caller decides whether the C++ path is wanted at all."""
         c = self.config
-        plain = type(self) is LlamaModel and not c.attention_bias and not c.qk_norm and self.tp.size == 1
-        ops = self.ops
-        if not (plain and fused_decode_enabled() and isinstance(ops, CppOps) and self.attention is cpp_attention):
+        if type(self) is not LlamaModel or c.attention_bias or c.qk_norm or self.tp.size != 1:
             return None
         linears = [
             layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -208,7 +210,7 @@ class LlamaModel(nn.Module):
         ]
         first = self.layers[0]
         return FusedDecode(
-            ops.kernels, layers, self.norm, self.rotary.cos32, self.rotary.sin32,
+            kernels, layers, self.norm, self.rotary.cos32, self.rotary.sin32,
             heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=c.rms_norm_eps,
         )  # fmt: skip
 

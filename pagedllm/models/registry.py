@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.gemma3 import Gemma3Model
 from pagedllm.models.llama import LlamaModel
-from pagedllm.models.loader import ModelConfig
 
 # llama, mistral, qwen2 and qwen3 differ only in options of the llama layers (see llama.py).
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {"gemma3": Gemma3Model}

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
+from pagedllm.cache_dir import cache_dir
+
 logger = logging.getLogger("pagedllm")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root)
 
 
 class Tokenizer:
@@ -26,7 +22,7 @@ class Tokenizer:
             # Building a tokenizer from GGUF metadata takes ~10 s; keep the result on disk.
             stat = path.stat()
             key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-            cached = _cache_dir() / "tokenizers" / key
+            cached = cache_dir("tokenizers", key)
             if (cached / "tokenizer_config.json").is_file():
                 self.hf = AutoTokenizer.from_pretrained(str(cached))
             else:

@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.cpu_kernels import CpuKernels
+from pagedllm.layers.cpu_kernels import CpuKernels
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 

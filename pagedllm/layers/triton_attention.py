@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.execution.attention_metadata import AttentionMetadata
+from pagedllm.layers.attention_metadata import AttentionMetadata
 
 
 # Integer arguments that change from step to step are not specialized on (Triton would otherwise

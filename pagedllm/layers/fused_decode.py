@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.cpu_kernels import CpuKernels
-from pagedllm.execution.linear import Linear
+from pagedllm.layers.attention_metadata import AttentionMetadata
+from pagedllm.layers.cpu_kernels import CpuKernels
+from pagedllm.layers.linear import Linear
 
 
 class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.cache_dir import cache_dir
+
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -111,16 +113,11 @@ def _build_tag(march: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def kernel_cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "kernels"
-
-
 def build_library(march: str = "native") -> Path:
     """The compiled library for this CPU, building it first when the cache has none.  `march`
     other than native builds for an older instruction set (tests use it to run the plain
     C++ paths on a CPU that would take the AVX-512 ones)."""
-    target = kernel_cache_dir() / f"libpagedllm_cpu_{_build_tag(march)}.so"
+    target = cache_dir("kernels", f"libpagedllm_cpu_{_build_tag(march)}.so")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +286,7 @@ class CpuKernels:
         rows, seq_lens, tables,
     ) -> None:  # fmt: skip
         """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
-        and `shape` are its structs, built by pagedllm/execution/fused_decode.py, which checks
+        and `shape` are its structs, built by pagedllm/layers/fused_decode.py, which checks
         what the kernels cannot."""
         _check(residual, out, workspace, final_norm, positions, slots, cos, sin, rows, seq_lens, tables)
         self._fn("decode_layers", residual.dtype)(

@@ -28,8 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.attention_metadata import AttentionMetadata
-from pagedllm.execution.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
+from pagedllm.layers.attention_metadata import AttentionMetadata
+from pagedllm.layers.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
@@ -178,8 +178,8 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
 
 
 def triton_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
-    """The Triton kernel (GPUs; see pagedllm/execution/triton_attention.py), imported on first use."""
-    from pagedllm.execution.triton_attention import triton_attention as kernel
+    """The Triton kernel (GPUs; see pagedllm/layers/triton_attention.py), imported on first use."""
+    from pagedllm.layers.triton_attention import triton_attention as kernel
 
     return kernel(q, kv_cache, meta, window)
 

@@ -1,6 +1,6 @@
 """The elementwise work of a llama layer, in two implementations with one interface.
 
-- `CppOps`: the fused C++ kernels (pagedllm/execution/csrc/elementwise.cpp): residual add +
+- `CppOps`: the fused C++ kernels (pagedllm/layers/csrc/elementwise.cpp): residual add +
   RMSNorm in one pass, rotary on q and k + the K/V cache write in one pass,
   SiLU(gate) * up in one pass.
 - `TorchOps`: the same math as separate torch ops; used where the C++ kernels
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.attention import write_kv
-from pagedllm.execution.cpu_kernels import CpuKernels, load_cpu_kernels
+from pagedllm.layers.attention import write_kv
+from pagedllm.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 
 
 class Rotary:
@@ -48,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class TorchOps:
     name = "torch"
     kernels = None  # no C++ kernels (CppOps has them: the sampler's argmax uses them too)
-    small_batch = None  # no small-batch GEMM kernels (see pagedllm/execution/linear.py)
+    small_batch = None  # no small-batch GEMM kernels (see pagedllm/layers/linear.py)
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -1,0 +1,115 @@
+"""The package's layers import one way, down: no package imports one that imports it back, and
+the memory core imports nothing outside itself (so it stays pure Python, tested in
+milliseconds).  Every import counts, including ones inside functions and under TYPE_CHECKING:
+a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
+
+# Lowest first.  A unit is a subpackage (core, layers, ...) or a top-level module (config, engine,
+# ...).  A unit may import units of a lower rank only; units of one rank do not import each other.
+RANKS: list[set[str]] = [
+    {"core", "cache_dir"},  # requests, blocks, scheduling; where caches live
+    {"text", "config", "layers"},  # tokenizer; engine settings; kernels and layer math
+    {"models"},  # architectures built from layers
+    {"execution"},  # a step's tensors, the model on its device, sampling
+    {"distributed"},  # tensor-parallel ranks around the execution layer
+    {"engine", "cli_args"},  # the step loop; engine flags from EngineConfig
+    {"llm", "serving", "benchmarking"},  # offline API, HTTP server, benchmarks
+    {"pagedllm"},  # the package's own exports (LLM, SamplingParams, ...)
+    {"cli"},  # the `pagedllm` command
+    {"__main__"},  # python -m pagedllm
+]
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    module, is_package = module_name(path), path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                found.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                found.add(node.module)
+    return {name for name in found if name == "pagedllm" or name.startswith("pagedllm.")}
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> imported unit -> the files that import it."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = unit_of(module_name(path))
+        for target in {unit_of(name) for name in imported_modules(path)} - {source}:
+            graph[source][target].append(str(path.relative_to(PACKAGE.parent)))
+    return graph
+
+
+def test_every_unit_has_a_rank():
+    units = {unit_of(module_name(path)) for path in PACKAGE.rglob("*.py")}
+    ranked = set().union(*RANKS)
+    assert units <= ranked, f"give these a place in RANKS: {sorted(units - ranked)}"
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    graph = import_graph()
+    cycles = []
+
+    def walk(unit: str, path: list[str]) -> None:
+        for target in graph.get(unit, {}):
+            if target == path[0]:
+                cycles.append(" -> ".join([*path, target]))
+            elif target not in path and len(path) < len(graph):
+                walk(target, [*path, target])
+
+    for unit in graph:
+        walk(unit, [unit])
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_core_imports_nothing_outside_itself():
+    outside = {target: files for target, files in import_graph().get("core", {}).items()}
+    assert not outside, f"core imports {outside}"
+
+
+def test_imports_point_down():
+    rank = {unit: i for i, units in enumerate(RANKS) for unit in units}
+    upward = [
+        f"{source} -> {target} ({', '.join(files)})"
+        for source, targets in import_graph().items()
+        for target, files in targets.items()
+        if target in rank and source in rank and rank[target] >= rank[source]
+    ]
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("module", ["block_pool", "kv_cache_manager", "scheduler", "request"])
+def test_the_memory_core_needs_no_torch(module):
+    """Import-level check: none of the core's modules names torch, even lazily."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse((PACKAGE / "core" / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    assert "torch" not in names and "numpy" not in names
