@@ -31,7 +31,7 @@ from pagedllm.benchmarking.throughput import print_result
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.execution.rank_model import resolve_dtype
+from pagedllm.execution.device import resolve_dtype
 from pagedllm.layers.cpu_kernels import cpu_summary
 from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 

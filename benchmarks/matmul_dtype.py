@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedllm.execution.rank_model import cpu_has_native_bf16
+from pagedllm.execution.device import cpu_has_native_bf16
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 

@@ -47,7 +47,7 @@ from pagedllm.benchmarking.serve import replay  # noqa: E402
 from pagedllm.benchmarking.throughput import print_result, run_bench  # noqa: E402
 from pagedllm.cli_args import add_engine_args, engine_config  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
-from pagedllm.execution.rank_model import resolve_dtype  # noqa: E402
+from pagedllm.execution.device import resolve_dtype  # noqa: E402
 from pagedllm.layers.cpu_kernels import cpu_summary  # noqa: E402
 from pagedllm.models.loader import BUNDLED_MODELS  # noqa: E402
 

@@ -14,6 +14,7 @@ from pagedllm.cli_args import (
     engine_config,
     sampling_params,
 )
+from pagedllm.core.request import check_prompt_length
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -27,7 +28,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     else:
         prompt_ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    check_max_tokens(len(prompt_ids), args.max_tokens, engine.max_model_len)
+    check_prompt_length(len(prompt_ids), args.max_tokens, engine.max_model_len)  # what the server refuses
     engine.add_request(prompt_ids, params)
     final = None
     while engine.has_unfinished_requests():
@@ -82,15 +83,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print()
         messages.append({"role": "assistant", "content": reply})
     return 0
-
-
-def check_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
-    """The CLI refuses what the server refuses: a prompt plus max_tokens over the context length."""
-    if prompt_len + max_tokens > max_model_len:
-        raise ValueError(
-            f"--max-tokens {max_tokens} plus the prompt's {prompt_len} tokens is more than the maximum model length "
-            f"of {max_model_len} tokens; pass --max-tokens {max(max_model_len - prompt_len, 1)} or less"
-        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_metrics import KVMemoryTracker
 from pagedllm.core.outputs import RequestOutput
-from pagedllm.core.request import FinishReason, Request
+from pagedllm.core.request import FinishReason, Request, check_prompt_length
 from pagedllm.core.request_group import RequestGroup, text_token_ids
 from pagedllm.core.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
@@ -268,11 +268,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but the maximum model length is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
+        check_prompt_length(len(token_ids), None, self.max_model_len)
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as it starts a text and after a space (two spellings in most vocabularies)."""

@@ -133,7 +133,7 @@ def test_serve_takes_the_model_as_a_positional_argument(tmp_path, capsys):
     "argv,message",
     [
         (["generate", "   "], "the prompt is empty"),
-        (["generate", "hi", "--max-tokens", "100000"], "--max-tokens 100000 plus the prompt's"),
+        (["generate", "hi", "--max-tokens", "100000"], "max_tokens is 100000 and the prompt has"),
         (["generate", "hi", "--max-model-len", "100000"], "longer than this model's context length of 8192"),
         (["generate", "hi", "--kv-cache-memory", "100TiB"], "more than this machine can give the KV cache"),
         (["bench"], "pass either --workload FILE or --dataset"),

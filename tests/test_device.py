@@ -10,8 +10,8 @@ import torch
 from pagedllm import LLM, EngineConfig
 from pagedllm.core.step_message import ChunkPlan
 from pagedllm.execution.cuda_graphs import GraphLayout, graph_batch_sizes, padded_batch_size
-from pagedllm.execution.rank_model import resolve_dtype
-from pagedllm.execution.startup_checks import plan_gpu_memory, resolve_device
+from pagedllm.execution.device import resolve_device, resolve_dtype
+from pagedllm.execution.startup_checks import plan_gpu_memory
 
 GiB = 2**30
 

@@ -20,7 +20,7 @@ def test_bad_prompts_are_clear_errors_and_leave_nothing_behind(llm):
         llm.generate("")
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]])
-    with pytest.raises(ValueError, match="maximum model length is 8192"):
+    with pytest.raises(ValueError, match="maximum context length is 8192"):
         llm.generate([[5] * 8192])
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 49152\)"):
         llm.generate([[5, 49152]])
@@ -38,7 +38,7 @@ def test_a_cache_smaller_than_the_context_lowers_max_model_len(make_llm, caplog)
     capacity = llm.engine.kv_cache.num_tokens_capacity
     assert capacity == 176 and llm.engine.max_model_len == capacity
     assert "max model length lowered to 176" in caplog.text
-    with pytest.raises(ValueError, match="maximum model length is 176"):
+    with pytest.raises(ValueError, match="maximum context length is 176"):
         llm.generate([[5] * 176])
     out = llm.generate([[5] * 10], SamplingParams(max_tokens=capacity - 10, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == capacity - 10  # exactly filling the cache is fine

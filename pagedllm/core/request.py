@@ -23,6 +23,33 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(eq=False)  # requests are compared by identity
+class PromptLengthError(ValueError):
+    """A prompt (with `max_tokens` where given) that does not fit the model's context; `param`
+    names the field to blame, as the API's error reports it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one rule for both the engine and the server: the prompt leaves room for at least one
+    generated token, and with `max_tokens` the whole request fits `max_model_len`."""
+    if num_prompt_tokens >= max_model_len:
+        raise PromptLengthError(
+            f"the prompt has {num_prompt_tokens} tokens but this model's maximum context length "
+            f"is {max_model_len} tokens (prompt plus at least one generated token)",
+            "prompt",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise PromptLengthError(
+            f"max_tokens is {max_tokens} and the prompt has {num_prompt_tokens} tokens: together over "
+            f"this model's maximum context length of {max_model_len} tokens "
+            f"(at most {max_model_len - num_prompt_tokens} for this prompt)",
+            "max_tokens",
+        )
+
+
 class Request:
     """One sequence.  `token_ids` holds the prompt followed by the output so far.
 

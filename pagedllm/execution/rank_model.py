@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.layer_groups import LayerGroups, group_layers
+from pagedllm.execution.device import resolve_dtype, select_device
 from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
@@ -21,7 +22,6 @@ from pagedllm.execution.startup_checks import (
     check_max_model_len,
     fit_max_model_len,
     format_bytes,
-    resolve_device,
 )
 from pagedllm.layers.attention import cpp_attention, select_attention
 from pagedllm.layers.fused_decode import FusedDecode, fused_decode_enabled
@@ -35,32 +35,6 @@ from pagedllm.models.registry import model_class
 from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size, shard_hf_weights
 
 logger = logging.getLogger("pagedllm")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where bfloat16 matmuls beat float32 (AVX512-BF16 or AMX); measured in docs/dtype.md."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") or cpu_has_native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def select_device(name: str, tp: TensorParallel) -> str:
-    """'cpu' or 'cuda:N' for this rank: under tensor parallelism on CUDA, rank r takes device r
-    (counted from the one named)."""
-    device = resolve_device(name, torch.cuda.is_available(), torch.cuda.device_count(), torch.version.cuda)
-    if device == "cpu" or tp.size == 1:
-        return device
-    index = int(device.partition(":")[2]) + tp.rank
-    return resolve_device(f"cuda:{index}", True, torch.cuda.device_count(), torch.version.cuda)
 
 
 def return_freed_memory() -> None:

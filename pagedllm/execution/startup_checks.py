@@ -13,7 +13,7 @@ works, or returns an adjusted value that the engine logs.  The rules:
   cache holds (logged); when it was given explicitly, that is an error.
 - On CUDA the KV cache gets what `gpu_memory_utilization` of the device leaves
   after the weights, a profiled forward pass at the full token budget and the
-  decode graphs (`plan_gpu_memory`); `device` names a GPU that is there.
+  decode graphs (`plan_gpu_memory`);
 """
 
 from __future__ import annotations
@@ -87,35 +87,7 @@ def fit_max_model_len(max_model_len: int, explicit: bool, num_blocks: int, block
 
 # --- devices -------------------------------------------------------------------------
 #
-# `device`: auto | cpu | cuda | cuda:N.  auto is CUDA when torch sees a GPU, else the CPU.
-# The facts about the machine come in as arguments so the rules are tested without a GPU.
-
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
-
-
-def resolve_device(name: str, cuda_available: bool, cuda_device_count: int, torch_cuda_version: str | None) -> str:
-    """'cpu', or 'cuda:N' (a plain 'cuda' is device 0); a clear error for a device that is not there."""
-    if name == "auto":
-        return "cuda:0" if cuda_available else "cpu"
-    if name == "cpu":
-        return "cpu"
-    if name == "cuda" or name.startswith("cuda:"):
-        index_text = name.partition(":")[2] or "0"
-        if not index_text.isdigit():
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-        if not cuda_available:
-            why = "this torch is a CPU-only build" if torch_cuda_version is None else "torch sees no CUDA GPU"
-            raise ValueError(
-                f"device={name!r} needs a CUDA GPU, but {why} (torch.cuda.is_available() is False); "
-                "use --device cpu (or auto, which picks the CPU here)"
-            )
-        index = int(index_text)
-        if index >= cuda_device_count:
-            raise ValueError(
-                f"device={name!r}: torch sees {cuda_device_count} CUDA device(s), numbered 0 to {cuda_device_count - 1}"
-            )
-        return f"cuda:{index}"
-    raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.core.request import PromptLengthError, check_prompt_length
 from pagedllm.serving.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -45,7 +46,8 @@ from pagedllm.serving.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from pagedllm.serving.dashboard import dashboard_html, dashboard_state, engine_state
+from pagedllm.serving.dashboard import dashboard_html, dashboard_state
+from pagedllm.serving.engine_state import engine_state
 from pagedllm.serving.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -253,18 +255,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
             )
 
     def check_length(prompt_ids: list[int], max_tokens: int | None) -> None:
-        if len(prompt_ids) >= max_model_len:
-            raise bad_request(
-                f"the prompt has {len(prompt_ids)} tokens but this model's maximum context length "
-                f"is {max_model_len} tokens (prompt plus at least one generated token)",
-                "prompt",
-            )
-        if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
-            raise bad_request(
-                f"max_tokens is {max_tokens} and the prompt has {len(prompt_ids)} tokens: together over "
-                f"this model's maximum context length of {max_model_len} tokens",
-                "max_tokens",
-            )
+        try:
+            check_prompt_length(len(prompt_ids), max_tokens, max_model_len)
+        except PromptLengthError as error:
+            raise bad_request(str(error), error.param) from None
 
     async def prepare(fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on a preparation thread: the event loop goes on moving other streams' bytes."""

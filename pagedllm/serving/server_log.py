@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine import LLMEngine
-from pagedllm.serving.dashboard import engine_state
+from pagedllm.serving.engine_state import engine_state
 
 logger = logging.getLogger("pagedllm.server")
 

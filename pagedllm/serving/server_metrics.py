@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine import LLMEngine
-from pagedllm.serving.dashboard import engine_state
+from pagedllm.serving.engine_state import engine_state
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
 THROUGHPUT_WINDOW_S = 60.0
