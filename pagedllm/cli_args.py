@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pagedllm.config import SERVE_PREFILL_TOKENS_WITH_DECODES, EngineConfig
 
@@ -19,132 +20,45 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
+def engine_fields() -> list[dataclasses.Field]:
+    """EngineConfig's fields that the command line offers, in their declared order."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", False)]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False, serving: bool = False) -> None:
-    """Engine flags; with `sweep`, --block-size takes a comma-separated list (bench); `serving`
-    takes the server's defaults (a capped prefill share while requests decode)."""
-    defaults = EngineConfig.__dataclass_fields__
+    """One flag per EngineConfig field (pagedllm/config.py says its kind, choices and help); with
+    `sweep`, --block-size takes a comma-separated list (bench); `serving` takes the server's
+    defaults (a capped prefill share while requests decode)."""
     g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="a bundled model (smollm2, gemma3-270m), a GGUF file or a Hugging Face checkpoint directory "
-        "(default: smollm2)",
-    )
-    g.add_argument(
-        "--dtype",
-        default=defaults["dtype"].default,
-        choices=["auto", "float32", "bfloat16"],
-        help="auto: bfloat16 where the CPU has native bf16 math (AVX512-BF16, AMX), else float32",
-    )
-    if sweep:
-        g.add_argument("--block-size", default=str(defaults["block_size"].default), help="one size or a list: 8,16,32")
-    else:
-        g.add_argument("--block-size", type=int, default=defaults["block_size"].default, help="tokens per KV block")
-    g.add_argument(
-        "--kv-layout",
-        default=defaults["kv_layout"].default,
-        choices=["paged", "contiguous"],
-        help="contiguous: the per-request reservation baseline (docs/paging.md)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_true",
-        default=defaults["enable_prefix_caching"].default,
-        help="reuse the KV of earlier prompts' full blocks (the default)",
-    )
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn it off")
-    g.add_argument(
-        "--no-window-freeing",
-        dest="window_freeing",
-        action="store_false",
-        help="sliding-window layers keep every block until the request ends (by default they give back "
-        "the blocks their window has left behind)",
-    )
-    g.add_argument(
-        "--reserve",
-        default=defaults["reserve"].default,
-        choices=["max-model-len", "request"],
-        help="contiguous layout: reserve max-model-len slots per request, or prompt + max_tokens",
-    )
-    g.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        help="e.g. 2GiB (default: 4GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)",
-    )
-    g.add_argument(
-        "--device",
-        default=defaults["device"].default,
-        help="auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU, else the CPU)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=defaults["gpu_memory_utilization"].default,
-        help="CUDA: share of the GPU's memory for weights, activations and the KV cache",
-    )
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=defaults["max_num_batched_tokens"].default,
-        help="token budget of one step (prefill chunks + decodes)",
-    )
-    g.add_argument(
-        "--prefill-tokens-with-decodes",
-        type=_optional_positive_int,
-        default=SERVE_PREFILL_TOKENS_WITH_DECODES if serving else defaults["prefill_tokens_with_decodes"].default,
-        help="most prompt tokens in a step that also carries decodes; lower: steadier inter-token latency, "
-        "less throughput (none: the whole step budget)",
-    )
-    g.add_argument(
-        "--max-num-seqs", type=int, default=defaults["max_num_seqs"].default, help="most requests running at once"
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output (default: the model's, lowered to what the KV cache holds if smaller)",
-    )
-    g.add_argument(
-        "--attention",
-        default=defaults["attention"].default,
-        choices=["auto", "cpp", "torch", "triton", "reference"],
-        help="attention kernels; auto: triton on CUDA, else the C++ kernels where they build",
-    )
-    g.add_argument(
-        "--linear",
-        default=defaults["linear"].default,
-        choices=["auto", "onednn", "torch"],
-        help="GEMM backend of the projections: oneDNN with packed weights where it runs (auto), or F.linear",
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to split the model over (docs/parallel.md); spawns N-1 workers unless --distributed-init-method",
-    )
-    g.add_argument(
-        "--distributed-init-method",
-        default=None,
-        help="join ranks started by a launcher: env:// (torchrun) or tcp://HOST:PORT",
-    )
-    g.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="threads per rank (default: one per core that other processes leave free, measured every second)",
-    )
-    g.add_argument(
-        "--no-adaptive-threads",
-        dest="adaptive_threads",
-        action="store_false",
-        help="keep one thread per core even when other processes take cores",
-    )
+    for f in engine_fields():
+        kind, help_text, flag = f.metadata["kind"], f.metadata["help"], flag_of(f)
+        if kind == "bool":
+            off = f.metadata["off_flag"]
+            if f.default:  # on by default: the flag that turns it off, and the plain one for clarity
+                g.add_argument(flag, dest=f.name, action="store_true", default=True, help=help_text)
+                g.add_argument(off, dest=f.name, action="store_false", help=f"turn {flag} off")
+            else:
+                g.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_text)
+            continue
+        default = f.default
+        if f.name == "prefill_tokens_with_decodes" and serving:
+            default = SERVE_PREFILL_TOKENS_WITH_DECODES
+        if f.name == "block_size" and sweep:
+            g.add_argument(flag, dest=f.name, default=str(default), help="one size or a list: 8,16,32")
+            continue
+        types = {"int": int, "float": float, "optional-int": _optional_positive_int}
+        g.add_argument(
+            flag,
+            dest=f.name,
+            type=types.get(kind, str),
+            default=default,
+            choices=f.metadata["choices"] or None,
+            help=help_text,
+        )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -193,29 +107,28 @@ def _optional_positive_int(text: str) -> int | None:
 
 
 def engine_config(args: argparse.Namespace, block_size: int | None = None) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=block_size if block_size is not None else args.block_size,
-        kv_layout=args.kv_layout,
-        enable_prefix_caching=args.enable_prefix_caching,
-        window_freeing=args.window_freeing,
-        reserve=args.reserve,
-        kv_cache_memory=args.kv_cache_memory,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
-        max_model_len=args.max_model_len,
-        attention=args.attention,
-        linear=args.linear,
-        num_threads=args.num_threads,
-        adaptive_threads=args.adaptive_threads,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_init_method=args.distributed_init_method,
-    )
+    """The EngineConfig that the parsed engine flags describe."""
+    values = {f.name: getattr(args, f.name) for f in engine_fields()}
+    if block_size is not None:
+        values["block_size"] = block_size
+    return EngineConfig(**values)
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The flags that give `config` to another pagedllm process (`pagedllm serve` in the serving
+    benchmark): every field the command line offers, spelled out whatever that command's default."""
+    flags: list[str] = []
+    for f in engine_fields():
+        value, kind = getattr(config, f.name), f.metadata["kind"]
+        if kind == "bool":
+            if value != f.default or value:
+                flags.append(flag_of(f) if value else f.metadata["off_flag"])
+        elif value is None:
+            if kind == "optional-int":
+                flags += [flag_of(f), "none"]
+        else:
+            flags += [flag_of(f), str(value)]
+    return flags
 
 
 def sampling_params(args: argparse.Namespace):

