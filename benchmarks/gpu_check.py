@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # hf_reference: the parity helpers the tests use
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -93,9 +92,8 @@ def run_tests(tokenizer: str | None) -> dict:
 
 
 def parity() -> dict:
-    from hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_model
-
     from pagedllm import LLM
+    from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_model
 
     results = {}
     gen = torch.Generator().manual_seed(0)
@@ -284,12 +282,11 @@ def single_request(engine) -> dict:
 
 
 def throughput() -> dict:
-    from hf_reference import save_random_model
-
     from pagedllm.benchmarking.datasets import load_workload
     from pagedllm.benchmarking.throughput import run_on_engine
     from pagedllm.config import EngineConfig
     from pagedllm.engine import LLMEngine
+    from pagedllm.testing.hf_reference import save_random_model
 
     requests = load_workload(ROOT / "benchmarks/workloads/random-128.jsonl")
     results = {"workload": "random-128", "requests": len(requests)}

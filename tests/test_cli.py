@@ -197,7 +197,7 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(monkeypatch, capsys
 
 
 def test_bench_serve_without_a_server_says_so(capsys):
-    from server_helpers import free_port
+    from pagedllm.testing.servers import free_port
 
     url = f"http://127.0.0.1:{free_port()}/v1"
     argv = ["bench", "serve", "--url", url, "--ready-timeout", "1", "--dataset", "random", "--log-level", "WARNING"]

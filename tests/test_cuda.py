@@ -13,9 +13,9 @@ import logging
 
 import pytest
 import torch
-from hf_reference import greedy, hf_greedy, save_random_model
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.testing.hf_reference import greedy, hf_greedy, save_random_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_helpers import MODEL, serve_in_process
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.testing.servers import MODEL, serve_in_process
 
 
 def chromium_path() -> str:

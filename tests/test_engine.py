@@ -3,10 +3,10 @@
 import logging
 
 import pytest
-from hf_reference import greedy
 
 from pagedllm import SamplingParams
 from pagedllm.config import parse_bytes
+from pagedllm.testing.hf_reference import greedy
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ to the bit, runs only the steps it can, and is off where the model or kernels do
 import pytest
 import torch
 from conftest import assert_no_blocks_held
-from hf_reference import save_random_llama
 
 from pagedllm import LLM
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.execution.rank_model import select_fused_decode
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.fused_decode import FusedDecode
+from pagedllm.testing.hf_reference import save_random_llama
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="the C++ kernels do not build here")
 

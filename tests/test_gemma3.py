@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
-from hf_reference import greedy, hf_greedy, hf_logits, our_logits
 
 from pagedllm import LLM
+from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits
 
 
 @pytest.fixture(scope="module")

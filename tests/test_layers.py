@@ -24,6 +24,7 @@ RANKS: list[set[str]] = [
     {"engine", "cli_args"},  # the step loop; engine flags from EngineConfig
     {"llm", "serving", "benchmarking"},  # offline API, HTTP server, benchmarks
     {"pagedllm"},  # the package's own exports (LLM, SamplingParams, ...)
+    {"testing"},  # transformers references and test servers, for the tests and the benchmarks
     {"cli"},  # the `pagedllm` command
     {"__main__"},  # python -m pagedllm
 ]

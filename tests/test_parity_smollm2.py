@@ -1,7 +1,8 @@
 """The real SmolLM2 against transformers on the same GGUF weights, float32."""
 
 import pytest
-from hf_reference import greedy, hf_greedy, hf_logits, our_logits
+
+from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -3,9 +3,9 @@ loads through the HF-directory path and decodes exactly like transformers."""
 
 import pytest
 import torch
-from hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_llama
 
 from pagedllm import LLM
+from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_llama
 
 
 @pytest.fixture(scope="module")

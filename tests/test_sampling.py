@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from hf_reference import greedy, our_logits
 
 from pagedllm import SamplingParams
 from pagedllm.execution.sampler import Sampler
+from pagedllm.testing.hf_reference import greedy, our_logits
 
 STORY = [{"role": "user", "content": "Tell me a story about a dragon and a village."}]
 

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 from conftest import llm_factory
-from server_helpers import API_KEY, MODEL, serve_subprocess
 
 from pagedllm import SamplingParams
+from pagedllm.testing.servers import API_KEY, MODEL, serve_subprocess
 
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-num-seqs", "64")
 

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import serve_subprocess
+
+from pagedllm.testing.servers import serve_subprocess
 
 SERVER_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-num-seqs", "32", "--max-model-len", "1024")
 EXAMPLES = 60  # per endpoint; with the soak, about a minute on two cores (AVX512-BF16 EPYC)

@@ -12,7 +12,8 @@ import threading
 import time
 
 import httpx
-from server_helpers import free_port, wait_healthy
+
+from pagedllm.testing.servers import free_port, wait_healthy
 
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--log-level", "INFO")
 

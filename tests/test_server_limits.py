@@ -8,10 +8,10 @@ import threading
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, serve_in_process
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.testing.servers import MODEL, serve_in_process
 
 
 def small_engine(**overrides) -> LLMEngine:

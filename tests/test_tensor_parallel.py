@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 from conftest import assert_no_blocks_held
-from hf_reference import greedy, save_random_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.launcher import WorkerDiedError
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size
+from pagedllm.testing.hf_reference import greedy, save_random_llama
 
 TINY_ARGS = dict(dtype="float32", block_size=8, kv_cache_memory="4MiB", max_model_len=256)
 
@@ -310,7 +310,8 @@ def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
     the server exit with an error that names the rank, leaving no process behind."""
     import httpx
     from openai import OpenAI
-    from server_helpers import free_port, wait_healthy
+
+    from pagedllm.testing.servers import free_port, wait_healthy
 
     port = free_port()
     command = [sys.executable, "-m", "pagedllm", "serve", "--model", tiny4, "--port", str(port)]
@@ -339,8 +340,9 @@ def test_server_with_tp_answers_and_exits_when_a_rank_dies(tiny4):
 def test_other_architectures_at_two_ranks_match_one_rank(name, tmp_path):
     """Qwen2's q/k/v biases are split with their heads; Gemma 3's norms (float32, (1 + w)),
     its windows and its replicated single KV head work across ranks."""
-    from hf_reference import hf_greedy, save_random_model
     from test_architectures import CASES, SHAPE
+
+    from pagedllm.testing.hf_reference import hf_greedy, save_random_model
 
     model_type, extra = CASES[name]
     hf_model = save_random_model(tmp_path, model_type, **{**SHAPE, **extra})

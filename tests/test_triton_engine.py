@@ -13,9 +13,8 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
 
-from hf_reference import greedy, save_random_model  # noqa: E402
-
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.testing.hf_reference import greedy, save_random_model  # noqa: E402
 
 SHAPE = dict(
     hidden_size=128,

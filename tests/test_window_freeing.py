@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import greedy, save_random_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.arith import cdiv
 from pagedllm.core.kv_cache_manager import FREED, KVCacheManager
 from pagedllm.core.layer_groups import group_layers
+from pagedllm.testing.hf_reference import greedy, save_random_model
 
 GEMMA_270M_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
 

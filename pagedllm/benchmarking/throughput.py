@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,3 +118,40 @@ def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_bef
             "kv_cached_blocks": pool.num_cached_blocks,
         }
     return stats
+
+
+def warmup_requests(requests: list[dict], count: int = 4, max_tokens: int = 16) -> list[dict]:
+    """What every engine in a comparison runs, untimed, after it starts: the first `count`
+    prompts reversed (so the timed run finds none of them in a prefix cache), `max_tokens` each."""
+    return [
+        {"id": f"warm-up-{i}", "prompt_token_ids": r["prompt_token_ids"][::-1], "max_tokens": max_tokens}
+        for i, r in enumerate(requests[:count])
+    ]
+
+
+def start_and_run(config: EngineConfig, requests: list[dict], warmup: list[dict]) -> dict:
+    """Start an engine (timed: `startup_s`), run `warmup` untimed, then the workload (timed)."""
+    begin = time.perf_counter()
+    with LLMEngine(config) as engine:
+        startup = time.perf_counter() - begin
+        if warmup:
+            run_on_engine(engine, warmup, desc="warm-up")
+        return {"startup_s": round(startup, 2)} | run_on_engine(engine, requests)
+
+
+def run_in_subprocess(config: EngineConfig, requests: list[dict], warmup: list[dict]) -> dict:
+    """`start_and_run` in a fresh python process, as a peer engine's run is: every start pays
+    the same (kernels load from their cache, weights from the page cache)."""
+    settings = {"config": dataclasses.asdict(config), "requests": requests, "warmup": warmup}
+    command = [sys.executable, "-m", "pagedllm.benchmarking.throughput"]
+    proc = subprocess.run(command, input=json.dumps(settings), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"pagedllm run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+if __name__ == "__main__":  # the child of run_in_subprocess: settings on stdin, one RESULT line out
+    given = json.loads(sys.stdin.read())
+    result = start_and_run(EngineConfig(**given["config"]), given["requests"], given["warmup"])
+    print("RESULT " + json.dumps(result))
