@@ -1,0 +1,280 @@
+"""`LLMEngine`: built once for a model, then a step loop: schedule, run, update."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_metrics import KVMemoryTracker
+from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.request import Request
+from pagedllm.core.request_group import RequestGroup
+from pagedllm.core.sampling_params import SamplingParams, StructuredOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
+from pagedllm.engine.intake import RequestIntake
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request_table import RequestTable
+from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.execution.structured_output import StructuredOutputs
+from pagedllm.execution.thread_control import AdaptiveThreads
+from pagedllm.layers.tensor_parallel import TensorParallel
+from pagedllm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+
+MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine stops
+
+
+class EngineStepError(RuntimeError):
+    """The engine cannot compute any more (its forward pass keeps failing); it serves nothing more."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    peak_running: int = 0
+    kv_peak_blocks_used: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.workers: WorkerGroup | None = None
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            if config.distributed_init_method:
+                tp = external_rank(config)
+            if tp.rank != 0:  # a launcher started this process as a worker: serve rank 0's steps, then leave
+                from pagedllm.distributed.worker import run_worker
+
+                run_worker(config, tp)
+                raise SystemExit(0)
+            self.workers = WorkerGroup(config)
+            self.workers.start()
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        # One rank, no thread count given: use the cores other processes leave free (thread_control.py).
+        self.threads = (
+            AdaptiveThreads(torch.set_num_threads, max_threads=torch.get_num_threads())
+            if config.tensor_parallel_size == 1 and not config.num_threads and config.adaptive_threads
+            else None
+        )
+        try:
+            built = build_rank_model(config, tp)
+            self.runner = ModelRunner(
+                built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device, built.groups
+            )
+            if built.memory_plan is not None:
+                logger.info("GPU memory: %s", built.memory_plan)
+            if built.device != "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1:
+                from pagedllm.execution.cuda_graphs import DecodeGraphs
+
+                self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, built.max_model_len)
+            if self.workers is not None:
+                self.workers.connect()
+                atexit.register(self.shutdown)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(send=False)
+            raise
+        model_config, num_blocks = built.model_config, built.num_blocks
+        self.dtype = built.dtype
+        self.layer_groups = built.groups  # which layers share a block, and which free theirs
+        self.kv_block_bytes = built.bytes_per_token * config.block_size * tp.size  # one pool block, all ranks
+        self.device = built.device
+        self.model_config = model_config
+        self.linear_backend = built.linear_backend
+        self.max_model_len = built.max_model_len
+        self.model_path = built.path  # the resolved file or directory the weights came from
+        self.tokenizer = Tokenizer(built.path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = model_config.eos_token_id
+        # Constrained sequences' grammar matchers; they use the tokenizer on this (the engine's) thread only.
+        self.runner.structured = StructuredOutputs(
+            self.tokenizer.hf, model_config.vocab_size, self.eos_token_id, self.runner.sampler.kernels
+        )
+        self.rank_memory = gather_rank_memory(
+            tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
+        )
+
+        if config.kv_layout == "contiguous":
+            self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
+        else:
+            self.kv_cache = KVCacheManager(
+                num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
+            )
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_tokens_with_decodes
+        )
+        tokens = num_blocks * config.block_size
+        c = model_config
+        logger.info(
+            "model %s (%s on %s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB "
+            "(%s); max model length %d -> %.2fx concurrency at full length",
+            built.path.name,
+            str(self.dtype).removeprefix("torch."),
+            built.device,
+            c.num_layers,
+            self.linear_backend,
+            self._layout_description(),
+            num_blocks,
+            config.block_size,
+            tokens,
+            tokens * built.bytes_per_token * tp.size / 2**30,
+            built.groups.describe(),
+            self.max_model_len,
+            tokens / built.groups.num_groups / self.max_model_len,
+        )
+        logger.info(
+            "step budget %d tokens; beside decodes at most %s prompt tokens a step",
+            config.max_num_batched_tokens,
+            config.prefill_tokens_with_decodes or config.max_num_batched_tokens,
+        )
+        if tp.size > 1:
+            for m in self.rank_memory:
+                logger.info(
+                    "tensor parallel rank %d/%d: weights %.1f MiB, KV cache %.1f MiB, process RSS %.1f MiB",
+                    m.rank,
+                    tp.size,
+                    m.weight_bytes / 2**20,
+                    m.kv_cache_bytes / 2**20,
+                    m.rss_bytes / 2**20,
+                )
+
+        self.table = RequestTable(self.runner.release)
+        self.intake = RequestIntake(
+            self.table,
+            self.scheduler,
+            self.runner.structured,
+            self.tokenizer,
+            model_config.vocab_size,
+            self.eos_token_id,
+            self.max_model_len,
+            paged=config.kv_layout == "paged",
+        )
+        self.output_processor = OutputProcessor(
+            self.table, self.scheduler, self.tokenizer, self.eos_token_id, self.max_model_len
+        )
+        self.stats = EngineStats()
+        self.memory = KVMemoryTracker()
+        self._step_failures = 0  # forward-pass failures in a row
+        self._step_error = ""
+
+    def _layout_description(self) -> str:
+        config = self.config
+        if config.kv_layout == "contiguous":
+            return f"contiguous (reserve {config.reserve}, no prefix caching)"
+        return "paged (prefix caching on)" if config.enable_prefix_caching else "paged (prefix caching off)"
+
+    # --- requests ----------------------------------------------------------------------
+
+    @property
+    def groups(self) -> dict[str, RequestGroup]:
+        """The unfinished requests, by request id."""
+        return self.table.groups
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live sequences, by sequence id (a request's id when n=1)."""
+        return self.table.sequences
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request (pagedllm/engine/intake.py checks it); with `params.n > 1` its samples
+        fork from one computed prompt."""
+        return self.intake.add_request(prompt, params or SamplingParams(), request_id)
+
+    def prepare_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile a constraint and build its first matcher now, on the calling thread (any thread), so
+        that adding the request later costs a copy: a big schema's matcher takes seconds to build."""
+        self.runner.structured.prepare(spec)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request (all its samples) at once, freeing its blocks; None if it is unknown or done."""
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # --- the step loop -----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run the model, update the requests."""
+        scheduled = self.scheduler.schedule()
+        result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
+        outputs = self._update(scheduled, result) if result is not None else self._fail_step(scheduled)
+        if self.threads is not None:
+            self.threads.after_step()
+        return outputs
+
+    def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's model output; None when the shared forward pass failed (the rule in `_fail_step`)."""
+        if self.workers is None:
+            try:
+                result = self.runner.execute(scheduled)
+            except Exception as error:
+                self._step_failures += 1
+                if self._step_failures >= MAX_FAILED_STEPS:
+                    raise EngineStepError(
+                        f"{self._step_failures} steps in a row failed in the model's forward pass; "
+                        f"the last failure: {error!r}"
+                    ) from error
+                logger.exception("a step's forward pass failed; its requests end with an error")
+                self._step_error = f"the model step failed: {error!r}"
+                return None
+            self._step_failures = 0
+            return result
+        self.workers.check()
+        try:
+            return self.runner.execute(scheduled)
+        except RuntimeError as error:  # gloo ends a collective whose peer died
+            failure = self.workers.explain(error)
+            self.workers.shutdown(send=False)
+            raise failure from error
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank); the engine runs no more steps after it."""
+        if self.workers is not None:
+            atexit.unregister(self.shutdown)
+            self.workers.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        stats = self.stats
+        stats.steps += 1
+        stats.peak_running = max(stats.peak_running, len(scheduled.scheduled))
+        stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
+        outputs = self.output_processor.process(scheduled, result)
+        self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
+        return outputs
+
+    def _fail_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Every request of a step whose forward pass failed ends with the error (the rule in
+        output_processor.py); `MAX_FAILED_STEPS` failures in a row mean the engine cannot compute
+        at all, and `_execute` raises EngineStepError."""
+        self.stats.steps += 1
+        return self.output_processor.fail_step(scheduled, self._step_error)
+
+    def wait_all(self) -> list[RequestOutput]:
+        """Run steps until every request is done; return the final outputs in finish order."""
+        finished = []
+        while self.has_unfinished_requests():
+            finished.extend(o for o in self.step() if o.finished)
+        return finished
