@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/attention-kernels.json")
     args = parser.parse_args()
     results = []
     for dtype in args.dtype:

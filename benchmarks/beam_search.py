@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/beam-search.json")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB"))

@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/contention.json")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB"))

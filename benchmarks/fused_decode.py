@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--block", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/fused-decode.json")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
 

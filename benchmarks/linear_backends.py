@@ -1,6 +1,6 @@
 """The engine's two GEMM backends for its projections, at the model's shapes.
 
-    python benchmarks/linear_backends.py
+    python benchmarks/linear_backends.py [--compare-dtypes]
 
 `torch`: `F.linear` (MKL in torch's CPU build); `onednn`: oneDNN with the
 weight reordered once (`pagedllm/layers/linear.py`).  float32; GFLOP/s, the two
@@ -9,11 +9,16 @@ backends interleaved round by round.  Then the small-batch `packed_gemm`
 projections in turn (30 layers, 406 MiB in float32, 203 MiB in bfloat16, so
 every weight comes from memory as in a decode step): ms per pass, GFLOP/s, and
 the ratio; in float32, and in bfloat16 where the CPU has AVX512-BF16.
+
+`--compare-dtypes` first times `F.linear` in float32 against bfloat16 at the same shapes
+(alternated): what `dtype=auto` decides from the CPU's flags, measured (without AVX512-BF16
+or AMX, bfloat16 is emulated and slower).
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -23,7 +28,26 @@ from pagedllm.layers.linear import Linear, onednn_supports
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
+def compare_dtypes(rounds: int = 10) -> None:
+    print(f"{'shape':>8} {'tokens':>6} {'float32 GF/s':>13} {'bfloat16 GF/s':>14} {'bf16/fp32':>9}")
+    for name, (out_features, in_features) in SHAPES.items():
+        for m in (1, 16, 128, 512):
+            weights = {d: torch.randn(out_features, in_features).to(d) for d in (torch.float32, torch.bfloat16)}
+            inputs = {d: torch.randn(m, in_features).to(d) for d in weights}
+            times: dict[torch.dtype, list[float]] = {d: [] for d in weights}
+            for _ in range(rounds):
+                for d in weights:
+                    start = time.perf_counter()
+                    torch.nn.functional.linear(inputs[d], weights[d])
+                    times[d].append(time.perf_counter() - start)
+            rate = {d: 2 * m * out_features * in_features / statistics.median(t) / 1e9 for d, t in times.items()}
+            ratio = rate[torch.bfloat16] / rate[torch.float32]
+            print(f"{name:>8} {m:>6} {rate[torch.float32]:>13.1f} {rate[torch.bfloat16]:>14.1f} {ratio:>9.2f}")
+
+
 def main() -> None:
+    if "--compare-dtypes" in sys.argv[1:]:
+        compare_dtypes()
     if not onednn_supports(torch.float32):
         raise SystemExit("oneDNN's packed linear does not run here")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory", default="4GiB")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/parallel-sampling.json")
     args = parser.parse_args()
 
     rng = random.Random(0)

@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/prompt-attention.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     result: dict = {"cpu": cpu_summary(), "dtype": args.dtype, "threads": torch.get_num_threads(), "results": []}

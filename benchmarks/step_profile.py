@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/step-profile.json")
     parser.add_argument("--no-fused", action="store_true", help="run the Python layer loop, attention timed apart")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))

@@ -21,16 +21,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.benchmarking.throughput import print_result  # noqa: E402
-from pagedllm.core.sampling_params import StructuredOutput  # noqa: E402
-from pagedllm.layers.cpu_kernels import cpu_summary  # noqa: E402
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarking.throughput import print_result
+from pagedllm.core.sampling_params import StructuredOutput
+from pagedllm.layers.cpu_kernels import cpu_summary
 
 SCHEMA = {
     "type": "object",
@@ -131,7 +128,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/structured-output.json")
     args = parser.parse_args()
     import jsonschema
 

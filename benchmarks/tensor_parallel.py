@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/tensor-parallel.json")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "TP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # one measurement, in a fresh process so that RSS is this run's alone

@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="330MiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--output", default="bench-results/window-freeing.json")
     args = parser.parse_args()
 
     results: dict = {"setup": vars(args)}

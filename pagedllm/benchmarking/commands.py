@@ -85,11 +85,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             base,
             settings,
             requests,
-            args.report_dir or "bench-report",
+            args.report_dir or "bench-results/report",
             ignore_eos=not args.respect_eos,
             workload_name=workload_name,
         )
-        print(f"report written to {args.report_dir or 'bench-report'}/", file=sys.stderr)
+        print(f"report written to {args.report_dir or 'bench-results/report'}/", file=sys.stderr)
     else:
         result = {"workload": workload_name, **run_bench(base, requests, ignore_eos=not args.respect_eos)}
     print_result(result, args.output)
@@ -142,7 +142,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--report-dir",
         default=None,
-        help="folder for summary.json, per-step series and plots (default bench-report when several settings run)",
+        help="folder for summary.json, per-step series and plots (default: bench-results/report, several settings)",
     )
     bench_modes = p.add_subparsers(dest="bench_mode", metavar="{serve}")
     q = bench_modes.add_parser(
