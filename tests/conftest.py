@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import weakref
 
 import pytest
 import torch
 
 import pagedllm.execution.rank_model
 from pagedllm import LLM
+from pagedllm.engine import LLMEngine
 from pagedllm.models.loader import default_model_path
 
 _cached_load = functools.cache(pagedllm.execution.rank_model.load_weights)
@@ -26,15 +28,46 @@ def _share_loaded_weights():
     pagedllm.execution.rank_model.load_weights = original
 
 
-def assert_no_blocks_held(llm: LLM) -> None:
-    kv = llm.engine.kv_cache
+_engines_built: list[weakref.ref] = []  # the engines built during the running test
+_build_engine = LLMEngine.__init__
+
+
+def _tracked_init(self: LLMEngine, *args, **kwargs) -> None:
+    _build_engine(self, *args, **kwargs)
+    _engines_built.append(weakref.ref(self))
+
+
+LLMEngine.__init__ = _tracked_init
+
+
+@pytest.fixture(autouse=True)
+def _no_blocks_held_after_the_test(request):
+    """Every engine a test built (and the shared ones it used, checked by `make_llm`) holds no KV
+    block and no request when the test ends.  `@pytest.mark.engine_left_broken` exempts a test
+    whose engine is meant to end unusable (a killed worker, a forward pass that always fails)."""
+    _engines_built.clear()
+    yield
+    if request.node.get_closest_marker("engine_left_broken"):
+        return
+    for ref in _engines_built:
+        engine = ref()
+        if engine is not None:
+            assert_engine_holds_nothing(engine)
+
+
+def assert_engine_holds_nothing(engine: LLMEngine) -> None:
+    kv = engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_used_blocks} KV blocks still held"
     assert not kv.block_tables
     if hasattr(kv, "pool"):
         assert all(count == 0 for count in kv.pool.ref_counts)
     else:
         assert kv.holes == [(0, kv.num_blocks)]  # contiguous: one hole again
-    assert not llm.engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests()
+
+
+def assert_no_blocks_held(llm: LLM) -> None:
+    assert_engine_holds_nothing(llm.engine)
 
 
 @functools.cache

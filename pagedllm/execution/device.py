@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.cpu_kernels import cpu_flags
 from pagedllm.layers.tensor_parallel import TensorParallel
 
 
@@ -40,13 +41,10 @@ def resolve_device(name: str, cuda_available: bool, cuda_device_count: int, torc
 
 
 def cpu_has_native_bf16() -> bool:
-    """True where bfloat16 matmuls beat float32 (AVX512-BF16 or AMX); measured in docs/dtype.md."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    """True where bfloat16 matmuls beat float32: AVX512-BF16 or AMX (`benchmarks/linear_backends.py
+    --compare-dtypes` measures it)."""
+    flags = set(cpu_flags().split())
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:

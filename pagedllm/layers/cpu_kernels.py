@@ -73,12 +73,39 @@ def _head_dim(q: torch.Tensor) -> int:
     return q.shape[-1]
 
 
+AMX_BF16_PACKED_MAX_ROWS = 2  # bfloat16 rows packed_gemm takes where oneDNN has AMX (see CpuKernels)
+
+# PAGEDLLM_CPU_CLASS=avx2 or avx512 makes this process behave as on an older CPU class: the
+# kernels are built for it (-march below) and `cpu_flags` hides the newer flags, so `dtype=auto`
+# and every kernel path choose what they would there.  The test suite runs its CPU-dependent
+# tests this way too, so they hold on AVX2-only and AVX-512-without-BF16 CPUs (docs in README).
+CPU_CLASSES = {"native": "native", "avx512": "skylake-avx512", "avx2": "haswell"}
+
+
+def cpu_class() -> str:
+    name = os.environ.get("PAGEDLLM_CPU_CLASS", "native")
+    if name not in CPU_CLASSES:
+        raise ValueError(f"PAGEDLLM_CPU_CLASS must be one of {', '.join(CPU_CLASSES)}, got {name!r}")
+    return name
+
+
+def _hidden_by_class(flag: str, name: str) -> bool:
+    if name == "avx2":
+        return flag.startswith(("avx512", "amx", "avx_vnni", "avx_ne_convert"))
+    if name == "avx512":
+        return flag.startswith(("avx512_bf16", "avx512_fp16", "amx", "avx_ne_convert"))
+    return False
+
+
 def cpu_flags() -> str:
+    """This CPU's flags as /proc/cpuinfo lists them, less those PAGEDLLM_CPU_CLASS hides."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+    name = cpu_class()
+    return " ".join(flag for flag in line.split() if not _hidden_by_class(flag, name))
 
 
 def cpu_summary() -> str:
@@ -116,7 +143,9 @@ def _build_tag(march: str) -> str:
 def build_library(march: str = "native") -> Path:
     """The compiled library for this CPU, building it first when the cache has none.  `march`
     other than native builds for an older instruction set (tests use it to run the plain
-    C++ paths on a CPU that would take the AVX-512 ones)."""
+    C++ paths on a CPU that would take the AVX-512 ones); so does PAGEDLLM_CPU_CLASS."""
+    if march == "native":
+        march = CPU_CLASSES[cpu_class()]
     target = cache_dir("kernels", f"libpagedllm_cpu_{_build_tag(march)}.so")
     if target.exists():
         return target
@@ -160,6 +189,12 @@ class CpuKernels:
             fn = getattr(library, f"packed_gemm_max_rows_{_SUFFIX[dtype]}")
             fn.restype = ctypes.c_int64
             self.packed_gemm_max_rows[dtype] = fn()
+        if "amx_bf16" in cpu_flags().split():
+            # With AMX, oneDNN's bfloat16 GEMMs run on the tile unit: measured 1.05x packed_gemm's
+            # speed at 4 rows, 2.1x at 16 and 5-6x at 64-512 (`benchmarks/linear_backends.py`,
+            # Sapphire Rapids class), while packed_gemm stays ahead at 1-2 rows.
+            rows = self.packed_gemm_max_rows[torch.bfloat16]
+            self.packed_gemm_max_rows[torch.bfloat16] = min(rows, AMX_BF16_PACKED_MAX_ROWS)
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
