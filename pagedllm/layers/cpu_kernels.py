@@ -191,7 +191,7 @@ class CpuKernels:
             self.packed_gemm_max_rows[dtype] = fn()
         if "amx_bf16" in cpu_flags().split():
             # With AMX, oneDNN's bfloat16 GEMMs run on the tile unit: measured 1.05x packed_gemm's
-            # speed at 4 rows, 2.1x at 16 and 5-6x at 64-512 (`benchmarks/linear_backends.py`,
+            # speed at 4 rows, 2.2x at 16 and 4-6x at 64-512 (`benchmarks/linear_backends.py`,
             # Sapphire Rapids class), while packed_gemm stays ahead at 1-2 rows.
             rows = self.packed_gemm_max_rows[torch.bfloat16]
             self.packed_gemm_max_rows[torch.bfloat16] = min(rows, AMX_BF16_PACKED_MAX_ROWS)
