@@ -124,3 +124,22 @@ def test_graph_inputs_with_layer_groups_split_the_interleaved_table():
     assert tables[:, 0].tolist() == [[24, 6, 3], [4, 8, 1]]  # group 0 had block 0 freed
     assert slots[:, 0].tolist() == [3 * 4 + 1, 1 * 4 + 1]  # position 9: block 2, offset 1, in each group
     assert slots[:, 1].tolist() == [24 * 4, 24 * 4]
+
+
+def test_cpu_class_hides_newer_flags_and_picks_the_dtype(monkeypatch):
+    """PAGEDLLM_CPU_CLASS makes pagedllm choose as on an older CPU: AVX2 hides every AVX-512 and
+    AMX flag (so `auto` is float32), avx512 hides bfloat16 and AMX; an unknown class is refused."""
+    import pytest
+
+    from pagedllm.layers.cpu_kernels import cpu_flags
+
+    monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "avx2")
+    flags = set(cpu_flags().split())
+    assert not {f for f in flags if f.startswith(("avx512", "amx"))}
+    assert resolve_dtype("auto") == torch.float32
+    monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "avx512")
+    assert not {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
+    assert resolve_dtype("auto") == torch.float32
+    monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "sse2")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_CLASS"):
+        cpu_flags()

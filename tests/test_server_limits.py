@@ -41,6 +41,7 @@ def test_a_full_queue_answers_429_and_then_serves_again():
         assert stats["waiting"] == 0
 
 
+@pytest.mark.engine_left_broken  # its engine thread is made to die mid-request
 def test_an_engine_failure_answers_503_and_hangs_no_one():
     engine = small_engine()
     with serve_in_process(engine) as (server, async_engine):
