@@ -98,6 +98,13 @@ class EngineConfig:
         "small-batch kernels where they run (auto), oneDNN alone, or F.linear",
         choices=("auto", "onednn", "torch"),
     )
+    weights: str = setting(
+        "auto",
+        "how a GGUF's quantized tensors are held: native (kept as their blocks, computed on by the C++ kernels), "
+        "dequantized (to the model's dtype at load), or auto (native for a GGUF on the CPU where the kernels build, "
+        "without tensor parallelism)",
+        choices=("auto", "native", "dequantized"),
+    )
     num_threads: int | None = setting(
         None,
         "threads per rank (default: one per core that other processes leave free, measured every second)",

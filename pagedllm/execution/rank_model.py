@@ -27,10 +27,11 @@ from pagedllm.layers.attention import cpp_attention, select_attention
 from pagedllm.layers.fused_decode import FusedDecode, fused_decode_enabled
 from pagedllm.layers.fused_ops import CppOps, LayerOps, select_ops
 from pagedllm.layers.linear import resolve_linear_backend
+from pagedllm.layers.quantized import QuantizedWeight, quantized_max_rows
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import AttentionFn, LlamaModel
-from pagedllm.models.loader import load_weights, resolve_model_path
+from pagedllm.models.llama import AttentionFn, LlamaModel, QuantizedSetup
+from pagedllm.models.loader import gguf_tensor_bytes, load_weights, resolve_model_path
 from pagedllm.models.registry import model_class
 from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size, shard_hf_weights
 
@@ -63,6 +64,40 @@ class RankModel:
     bytes_per_token: int  # KV bytes of one token in one block on this rank (a layer group's layers, K and V)
     groups: LayerGroups  # the layers one block holds, and which groups free blocks out of their window
     memory_plan: str | None = None  # CUDA: how the device's memory was shared out (logged at start)
+    weights: str = "dequantized"  # native: a GGUF's quantized tensors kept as they are
+    weights_summary: str = ""  # what each of the file's tensor types runs as, and the resident bytes
+
+
+def use_native_weights(config: EngineConfig, path: Path, device: str, tp: TensorParallel, ops: LayerOps) -> bool:
+    """Whether the GGUF's quantized tensors stay quantized (weights=native, or auto where it can)."""
+    if config.weights == "dequantized":
+        return False
+    reasons = [
+        reason
+        for reason, failed in (
+            (f"{path.name} is not a GGUF file", path.suffix != ".gguf"),
+            (f"it runs on the CPU only, not {device}", device != "cpu"),
+            ("it does not run with tensor parallelism", tp.size > 1),
+            ("it needs the C++ CPU kernels (attention auto or cpp, and a compiler)", not isinstance(ops, CppOps)),
+        )
+        if failed
+    ]
+    if reasons and config.weights == "native":
+        raise ValueError(f"weights='native' cannot be used here: {'; '.join(reasons)}")
+    return not reasons
+
+
+def describe_weights(weights: dict, native: bool) -> str:
+    """What the loaded tensors run as, by their file's type, e.g. 'Q4_1 x210 on the 4-bit kernels,
+    Q8_0 x1 on the 8-bit kernels, float x61'."""
+    counts: dict[str, int] = {}
+    for weight in weights.values():
+        if isinstance(weight, QuantizedWeight):
+            key = f"{weight.source} on the {weight.bits}-bit kernels"
+        else:
+            key = "float (norms, biases" + (", types without a native kernel)" if native else ", all else)")
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{count} x {key}" for key, count in counts.items())
 
 
 def select_fused_decode(model: LlamaModel, ops: LayerOps, attention: AttentionFn) -> FusedDecode | None:
@@ -91,23 +126,35 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
             check_kv_cache_memory(kv_budget // tp.size, available_memory_bytes())
         elif tp.rank == 0:
             check_kv_cache_memory(kv_budget, available_memory_bytes())
-    model_config, weights = load_weights(path)
+    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
+    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
+    native = use_native_weights(config, path, device, tp, ops)
+    model_config, weights = load_weights(path, keep_quantized=native)
     check_tensor_parallel_size(model_config, tp.size)
     max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
     shard = ShardLayout.for_rank(model_config, tp)
 
     attention = select_attention(config.attention, model_config.head_dim, device)
-    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
-    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
     with torch.device(device):  # parameters and rotary tables are created on the device
         model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
+    quantized = QuantizedSetup(ops.kernels, quantized_max_rows(ops.kernels, dtype)) if native else None
+    summary = describe_weights(weights, native)
     # linear=auto adds the small-batch packed GEMM (and its packed weight copy) where it runs; a named
     # backend is used alone.
-    model.load_hf_weights(shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto")
+    model.load_hf_weights(
+        shard_hf_weights(weights, model_config, tp), linear_backend, config.linear == "auto", quantized
+    )
     model.fused_decode = select_fused_decode(model, ops, attention)
     del weights
     return_freed_memory()
+    resident = model.weight_bytes()
+    if path.suffix == ".gguf":
+        file_bytes = gguf_tensor_bytes(path)
+        summary += f"; resident weights {resident / 2**20:.1f} MiB, {resident / file_bytes:.2f}x the file's "
+        summary += f"{file_bytes / 2**20:.1f} MiB of tensors"
+    if tp.rank == 0:
+        logger.info("weights %s: %s", "native" if native else "dequantized", summary)
 
     c = model_config
     groups = group_layers(c.layer_windows, config.window_freeing and config.kv_layout == "paged")
@@ -159,4 +206,6 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         bytes_per_token,
         groups,
         memory_plan,
+        "native" if native else "dequantized",
+        summary,
     )

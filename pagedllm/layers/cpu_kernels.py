@@ -37,7 +37,14 @@ from pagedllm.cache_dir import cache_dir
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp", "sampling.cpp", "decode_layers.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "elementwise.cpp",
+    "small_gemm.cpp",
+    "sampling.cpp",
+    "decode_layers.cpp",
+    "quant_gemm.cpp",
+)
 _HEADERS = ("common.h", "avx512.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -60,6 +67,8 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
     "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
+    "quant_gemm": ([_P] * 2 + [_I] * 3 + [_P] * 3 + [_I] * 2, _F32 + _BF16),
+    "dequantize_rows": ([_P] * 3 + [_I] * 4 + [_P, _I, _P], _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -195,6 +204,10 @@ class CpuKernels:
             # Sapphire Rapids class), while packed_gemm stays ahead at 1-2 rows.
             rows = self.packed_gemm_max_rows[torch.bfloat16]
             self.packed_gemm_max_rows[torch.bfloat16] = min(rows, AMX_BF16_PACKED_MAX_ROWS)
+        # The quantized weights' layout in this build (csrc/quant_gemm.cpp): columns per panel,
+        # and whether 8-bit values are stored unsigned (VNNI).
+        self.quant_panel_width = library.quant_panel_width()
+        self.quant_unsigned8 = bool(library.quant_unsigned8())
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
@@ -329,6 +342,31 @@ class CpuKernels:
             _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(slots), _ptr(cos), _ptr(sin), _ptr(rows),
             _ptr(seq_lens), _ptr(tables), rows.shape[0], tables.shape[1],
         )  # fmt: skip
+
+    def quant_gemm(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x [m, k] @ W^T for W a PackedWeight [n, k] (pagedllm/layers/quantized.py; the kernels are
+        csrc/quant_gemm.cpp); float32 or bfloat16 x, y of x's dtype."""
+        _check(x, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        m, k = x.shape
+        if k != w.cols:
+            raise ValueError(f"x has {k} columns, the quantized weight {w.cols}")
+        y = torch.empty(m, w.rows, dtype=x.dtype)
+        mins = None if w.mins is None else _ptr(w.mins)
+        self._fn("quant_gemm", x.dtype)(
+            _ptr(x), _ptr(y), m, w.rows, k, _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group
+        )
+        return y
+
+    def dequantize_rows(self, w, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (int64, each in range; None: every row) of a PackedWeight as `dtype`."""
+        _check(w.qs, w.scales, *(() if w.mins is None else (w.mins,)), *(() if ids is None else (ids,)))
+        count = w.rows if ids is None else ids.shape[0]
+        out = torch.empty(count, w.cols, dtype=dtype)
+        self._fn("dequantize_rows", dtype)(
+            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.rows, w.cols,
+            None if ids is None else _ptr(ids), count, _ptr(out),
+        )  # fmt: skip
+        return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for float32 x [rows, cols] (cols >= 1): the first index of each

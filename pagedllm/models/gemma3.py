@@ -16,9 +16,10 @@ from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.fused_ops import LayerOps, Rotary
+from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, per_layer
+from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedSetup, per_layer
 from pagedllm.models.sharding import ShardLayout
 
 
@@ -96,7 +97,11 @@ class Gemma3Model(LlamaModel):
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
 
     def load_hf_weights(
-        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
+        self,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        linear_backend: str = "torch",
+        small_batch: bool = True,
+        quantized: QuantizedSetup | None = None,
     ) -> None:
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -106,7 +111,7 @@ class Gemma3Model(LlamaModel):
                     ("post_ffn_norm", "post_feedforward_layernorm"),
                 ):
                     getattr(layer, ours).copy_(self.take(weights, p + theirs + ".weight"))
-        super().load_hf_weights(weights, linear_backend, small_batch)
+        super().load_hf_weights(weights, linear_backend, small_batch, quantized)
         with torch.no_grad():  # every norm: (1 + w), in float32
             for layer in self.layers:
                 for name in ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm"):

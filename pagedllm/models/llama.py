@@ -9,6 +9,7 @@ and v) and Qwen3 (an RMSNorm over each head of q and of k, before rotary)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,14 @@ from pagedllm.layers.cpu_kernels import CpuKernels
 from pagedllm.layers.fused_decode import FusedDecode, FusedLayer
 from pagedllm.layers.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized import PackedWeight, QuantizedLinear, QuantizedWeight, pack, quantized_embedding
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.sharding import ShardLayout
+
+# Rows up to which a quantized LM head runs on the integer kernels: always (the LM head runs on
+# the sampled rows only, and dequantizing Gemma 3's 262,144-row table each step would cost more).
+LM_HEAD_MAX_ROWS = 1 << 30
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
@@ -29,6 +35,30 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], tor
 def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
     """One step's attention metadata per layer: one for every layer, or each layer's group's."""
     return meta if isinstance(meta, list) else [meta] * num_layers
+
+
+@dataclass(frozen=True)
+class QuantizedSetup:
+    """How projections kept quantized run: the C++ kernels, and up to how many rows of a step go
+    to their integer GEMM (above: a float GEMM on the weight dequantized for the step)."""
+
+    kernels: CpuKernels
+    max_rows: int
+
+    def pack(self, weight: QuantizedWeight) -> PackedWeight:
+        return pack(weight, self.kernels.quant_panel_width, self.kernels.quant_unsigned8)
+
+    def linear(self, weight: QuantizedWeight | PackedWeight, max_rows: int | None = None) -> QuantizedLinear:
+        packed = weight if isinstance(weight, PackedWeight) else self.pack(weight)
+        return QuantizedLinear(packed, self.kernels, self.max_rows if max_rows is None else max_rows)
+
+
+def fuse(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Projections stacked by rows (q, k, v; gate, up): kept quantized when every part is,
+    else in float."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], dim=0)
 
 
 class DecoderLayer(nn.Module):
@@ -57,13 +87,20 @@ class DecoderLayer(nn.Module):
         )
         self.q_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
-        self.linears: dict[str, Linear] = {}
+        self.linears: dict[str, Linear | QuantizedLinear] = {}
+        self.quantized: dict[str, QuantizedWeight] = {}  # projections kept quantized (GGUF, weights=native)
 
-    def prepare_linears(self, backend: str, small_batch=None) -> None:
+    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
         """Build the projections from the loaded weights; the Linear's copies (oneDNN's packed one,
-        and the small-batch kernels' where they run) replace the weight."""
+        and the small-batch kernels' where they run) replace the weight.  Projections kept
+        quantized become QuantizedLinears (`quantized` says how)."""
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             param = getattr(self, name)
+            if name in self.quantized:
+                if quantized is None:
+                    raise ValueError("quantized projections need the C++ kernels (weights='native')")
+                self.linears[name] = quantized.linear(self.quantized.pop(name))
+                continue
             self.linears[name] = Linear(param.data, backend, small_batch)
             if backend != "torch":  # the Linear holds what is read from now on
                 param.data = torch.empty(0, dtype=param.dtype)
@@ -138,36 +175,61 @@ class LlamaModel(nn.Module):
             else nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
-        self.lm_head_linear: Linear | None = None
+        self.lm_head_linear: Linear | QuantizedLinear | None = None
+        self.embed_packed: PackedWeight | None = None  # the embedding table, where it is kept quantized
         # Decode-only steps in one C++ call: set by the execution layer (pagedllm/execution/rank_model.py)
         # from `build_fused_decode` where it chose the C++ kernels; None runs the layer loop.
         self.fused_decode: FusedDecode | None = None
 
     def load_hf_weights(
-        self, weights: dict[str, torch.Tensor], linear_backend: str = "torch", small_batch: bool = True
+        self,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        linear_backend: str = "torch",
+        small_batch: bool = True,
+        quantized: QuantizedSetup | None = None,
     ) -> None:
         """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
         build the projections with `linear_backend` (see pagedllm/layers/linear.py), with the
-        C++ small-batch kernels for steps of a few rows where `small_batch` and the CPU allow."""
+        C++ small-batch kernels for steps of a few rows where `small_batch` and the CPU allow.
+        Weights given as QuantizedWeight (a GGUF's, with weights='native') stay quantized and
+        run as `quantized` says; the embedding table too, and the LM head tied to it."""
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | QuantizedWeight:
             return self.take(weights, name)
 
+        def put(param: nn.Parameter, weight: torch.Tensor | QuantizedWeight) -> None:
+            param.copy_(weight.dequantize() if isinstance(weight, QuantizedWeight) else weight)
+
         with torch.no_grad():
-            self.embed_tokens.copy_(take("embed_tokens.weight"))
+            embed = take("embed_tokens.weight")
+            self.embed_packed = None  # the embedding table kept quantized
+            if isinstance(embed, QuantizedWeight) and quantized is not None:
+                self.embed_packed = quantized.pack(embed)
+                self.embed_tokens.data = torch.empty(0, dtype=self.embed_tokens.dtype)
+            else:
+                put(self.embed_tokens, embed)
             self.norm.copy_(take("norm.weight"))
-            if not self.config.tie_word_embeddings:
-                self.lm_head.copy_(take("lm_head.weight"))
+            head = None if self.config.tie_word_embeddings else take("lm_head.weight")
+            if head is not None and not (isinstance(head, QuantizedWeight) and quantized is not None):
+                put(self.lm_head, head)
+                head = None
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 layer.input_norm.copy_(take(p + "input_layernorm.weight"))
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-                layer.qkv_proj.copy_(
-                    torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
-                )
-                layer.o_proj.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                layer.down_proj.copy_(take(p + "mlp.down_proj.weight"))
+                projections = {
+                    "qkv_proj": fuse([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
+                    "o_proj": take(p + "self_attn.o_proj.weight"),
+                    "gate_up_proj": fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                    "down_proj": take(p + "mlp.down_proj.weight"),
+                }
+                for name, weight in projections.items():
+                    param = getattr(layer, name)
+                    if isinstance(weight, QuantizedWeight) and quantized is not None:
+                        layer.quantized[name] = weight
+                        param.data = torch.empty(0, dtype=param.dtype)
+                    else:
+                        put(param, weight)
                 if layer.qkv_bias is not None:
                     layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]))
                 if layer.q_norm is not None:
@@ -175,7 +237,16 @@ class LlamaModel(nn.Module):
                     layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
         kernels = self.ops.small_batch if small_batch else None
         for layer in self.layers:
-            layer.prepare_linears(linear_backend, kernels)
+            layer.prepare_linears(linear_backend, kernels, quantized)
+        if quantized is not None and (self.embed_packed is not None and self.config.tie_word_embeddings):
+            # The tied LM head reads the embedding's quantized table; it runs on the sampled rows
+            # only (one per request), so always on the integer kernels.
+            self.lm_head_linear = quantized.linear(self.embed_packed, max_rows=LM_HEAD_MAX_ROWS)
+            return
+        if head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+            self.lm_head_linear = quantized.linear(head, max_rows=LM_HEAD_MAX_ROWS)
+            return
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).  It runs on the
         # sampled rows only, so in bfloat16 a decode step's rows go to the small-batch kernel too
         # (measured 1.06-1.73x oneDNN at 1-128 rows; float32's was not measured, and its packed
@@ -237,6 +308,8 @@ class LlamaModel(nn.Module):
         return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_packed is not None:
+            return quantized_embedding(self.embed_packed, self.ops.kernels, input_ids, self.embed_tokens.dtype)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.embed_tokens)
         # Vocab-parallel: look up the ids this rank holds, zeros for the rest, then sum over ranks.
@@ -257,9 +330,14 @@ class LlamaModel(nn.Module):
         linears = [linear for layer in self.layers for linear in layer.linears.values()]
         if self.lm_head_linear is not None:
             linears.append(self.lm_head_linear)
+        packed = {id(linear.weight): linear.weight for linear in linears if isinstance(linear, QuantizedLinear)}
+        if self.embed_packed is not None:
+            packed[id(self.embed_packed)] = self.embed_packed
+        linears = [linear for linear in linears if not isinstance(linear, QuantizedLinear)]
+        quantized_bytes = sum(w.nbytes for w in packed.values())
         tensors = [p.data for p in self.parameters()] + [linear.weight for linear in linears]
         tensors += [linear.small_weight for linear in linears if linear.small_weight is not None]
         # A plain Linear shares its parameter's storage; packed weights (oneDNN's, the small-batch
         # kernels') are copies of their own.
         distinct = {id(t) if t.is_mkldnn else t.data_ptr(): t for t in tensors if t.numel()}
-        return sum(t.numel() * t.element_size() for t in distinct.values())
+        return quantized_bytes + sum(t.numel() * t.element_size() for t in distinct.values())

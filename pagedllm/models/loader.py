@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
 
 logger = logging.getLogger("pagedllm")
 
@@ -93,11 +95,26 @@ def check_gguf_magic(path: Path) -> None:
         )
 
 
-def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+Weight = torch.Tensor | QuantizedWeight
+
+
+def load_weights(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """The model's config and its weights by Hugging Face name.  `keep_quantized`: a GGUF's 2-D
+    tensors of the types in NATIVE_TYPES stay quantized (QuantizedWeight); the rest, and every
+    tensor otherwise, are float32."""
     logger.info("loading weights from %s", path)
     if path.suffix == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, keep_quantized)
+    if keep_quantized:
+        raise ValueError(f"{path} is not a GGUF file: only GGUF weights can be kept quantized (weights='native')")
     return _load_hf_dir(path)
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes a GGUF's tensors take in the file (what weights=native is compared with)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -264,27 +281,36 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str, Weight]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     config = _gguf_config(reader, path)
-    weights: dict[str, torch.Tensor] = {}
+    gemma = config.architecture == "gemma3"
+    weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        shape = [int(d) for d in reversed(tensor.shape)]
         prefix, _, rest = tensor.name.partition(".")
-        gemma = config.architecture == "gemma3"
+        heads = None  # llama.cpp permutes llama's q and k rows only
         if prefix == "blk":
             index, _, rest = rest.partition(".")
             kind = rest.removesuffix(".weight")
-            if kind == "attn_q" and not gemma:  # llama.cpp permutes llama's q and k rows only
-                array = _unpermute_rope(array, config.num_heads)
-            elif kind == "attn_k" and not gemma:
-                array = _unpermute_rope(array, config.num_kv_heads)
+            if not gemma and kind in ("attn_q", "attn_k"):
+                heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
             name = f"layers.{index}.{(_GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES)[kind]}.weight"
         else:
             name = f"{_GGUF_TOP_NAMES[prefix]}.weight"
+        type_name = tensor.tensor_type.name
+        if keep_quantized and type_name in NATIVE_TYPES and len(shape) == 2:
+            weight = repack(tensor.data, type_name, *shape)
+            if heads is not None:
+                weight = weight.select_rows(torch.from_numpy(_unpermute_rope(np.arange(shape[0]), heads)))
+            weights[name] = weight
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(shape)
+        if heads is not None:
+            array = _unpermute_rope(array, heads)
         if gemma and name.endswith("norm.weight"):
             array = array - 1.0
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy

@@ -1,0 +1,83 @@
+"""Projections on GGUF weights kept quantized against the same weights dequantized, per row count.
+
+    python benchmarks/quantized_linear.py [--model smollm2|gemma3-270m] [--dtype auto|float32|bfloat16]
+                                          [--rows 1 2 4 8 16 32 64 128 512] [--rounds 5]
+
+One pass runs every projection of every layer, and the LM head, as a step of `rows` rows does,
+so the weights come from memory as in the engine.  Three ways, alternated round by round:
+- `int`: the integer kernels on the quantized blocks (csrc/quant_gemm.cpp);
+- `deq+gemm`: the quantized weight dequantized into a scratch matrix, then a float GEMM (what a
+  QuantizedLinear does past its row limit);
+- `dense`: the dequantized weights as the engine holds them with `weights=dequantized` (oneDNN
+  with its packed copy, the small-batch kernels where they run).
+Median ms per pass (min-max).  `QuantizedLinear`'s row limit comes from these crossovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedllm.execution.device import resolve_dtype
+from pagedllm.layers.cpu_kernels import cpu_summary, load_cpu_kernels
+from pagedllm.layers.linear import Linear, resolve_linear_backend
+from pagedllm.layers.quantized import QuantizedLinear, QuantizedWeight, pack
+from pagedllm.models.loader import load_weights, resolve_model_path
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def fused(weights: dict, config) -> list[QuantizedWeight]:
+    """The engine's fused projections (qkv, o, gate_up, down) per layer, and the LM head."""
+    out = []
+    for i in range(config.num_layers):
+        w = [weights[f"layers.{i}.{name}.weight"] for name in PROJECTIONS]
+        out += [QuantizedWeight.cat(w[0:3]), w[3], QuantizedWeight.cat(w[4:6]), w[6]]
+    head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return out + [weights[head]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("the C++ kernels do not build here")
+    dtype = resolve_dtype(args.dtype, "cpu")
+    config, weights = load_weights(resolve_model_path(args.model), keep_quantized=True)
+    quantized = fused(weights, config)
+    backend = resolve_linear_backend("auto", dtype)
+    packed = [pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in quantized]
+    ways = {
+        "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
+        "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0) for w in packed],
+        "dense": [Linear(w.dequantize(dtype), backend, kernels) for w in quantized],
+    }
+    print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>22}" for name in ways) + f" {'int/dense':>10}")
+    for m in args.rows:
+        x = torch.randn(m, config.hidden_size).to(dtype)
+        inputs = {id(w): torch.randn(m, w.cols).to(dtype) for w in quantized}
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for round_ in range(args.rounds + 1):
+            for name in list(ways)[round_ % 3 :] + list(ways)[: round_ % 3]:
+                start = time.perf_counter()
+                for w, linear in zip(quantized, ways[name]):
+                    linear(inputs[id(w)] if w.cols != config.hidden_size else x)
+                if round_:  # the first round warms up
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        cells = [f"{statistics.median(t):9.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]
+        ratio = statistics.median(times["dense"]) / statistics.median(times["int"])
+        print(f"{m:>5} " + " ".join(f"{c:>22}" for c in cells) + f" {ratio:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

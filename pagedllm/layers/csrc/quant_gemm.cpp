@@ -1,0 +1,349 @@
+// y = x W^T on weights kept quantized, as GGUF files ship them, and embedding rows read
+// from them.
+//
+// Values.  Every GGUF type the engine runs natively is repacked once at load into one of
+// two kinds, in blocks of 32 values along k, each value w = scale * q + min for its group
+// of `group` (16 or 32) values (pagedllm/models/gguf_weights.py):
+// - 4-bit: q in 0..15 (Q4_0, Q4_1, Q4_K, exactly: scale and min in float32 hold Q4_K's
+//   d * sub-scale without rounding);
+// - 8-bit: q a signed byte (Q5_0, Q5_1, Q5_K, Q6_K in groups of 16, Q8_0).  Where the build
+//   has VNNI they are stored as q + 128 (unsigned) and min - 128 * scale, which `vpdpbusd`
+//   (unsigned x signed bytes) takes without the sign trick below.
+//
+// Layout (pagedllm/layers/quantized.py packs it): output columns in panels of kPanel (16 with
+// AVX-512, 8 with AVX2), so that one vector holds 4 consecutive k values ("a quad") of each
+// of the panel's columns.  Per panel and block of 32: 8-bit, quads 0..7 one after another
+// ([8][kPanel][4] bytes); 4-bit, [4][kPanel][4] bytes, quad j in the low nibbles and quad j + 4
+// in the high ones.  Scales and mins: float32 [panels][k / group][kPanel].
+//
+// Arithmetic.  The activations are quantized per block of 32 to signed bytes with a float
+// scale, as llama.cpp's dot products do; a block's products are integer multiply-adds of a
+// weight vector with one row's quad broadcast: VNNI's `vpdpbusd`, else `vpmaddubsw` (unsigned
+// x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: 4-bit q is at
+// most 15, and 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  Each
+// block's int32 sums are scaled once (the weight's scale times x's), and the mins' term is
+// min * (the sum of the group's x), from sums taken as x is quantized.  A tile of up to
+// kTileRows rows shares each weight vector loaded, so a step of a few rows reads the weights
+// once.
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTileRows = 4;
+
+// Activation rows quantized per block of 32.
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [m, k]
+  std::vector<float> scale;  // [m, k / 32]
+  std::vector<float> sums;   // [m, k / group]: scale * the sum of q over each group of the weight's
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRows& out) {
+  const int64_t blocks = m * k / kBlock;
+  out.q.resize(m * k);
+  out.scale.resize(blocks);
+  out.sums.resize(m * k / group);
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
+  for (int64_t i = 0; i < blocks; ++i) {  // rows are contiguous and k % 32 == 0: block i of the flat [m * k]
+    float v[kBlock];
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      v[j] = to_float(x[i * kBlock + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* q = out.q.data() + i * kBlock;
+    int32_t half[2] = {0, 0};
+    for (int64_t j = 0; j < kBlock; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      half[j / 16] += q[j];
+    }
+    if (group == kBlock) {
+      out.sums[i] = d * static_cast<float>(half[0] + half[1]);
+    } else {
+      out.sums[2 * i] = d * static_cast<float>(half[0]);
+      out.sums[2 * i + 1] = d * static_cast<float>(half[1]);
+    }
+    out.scale[i] = d;
+  }
+}
+
+// One instruction set's vectors: a vector holds one quad of kPanel columns.
+#if defined(__AVX512BW__)
+constexpr int64_t kPanel = 16;
+struct Isa {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static I broadcast(const int8_t* quad) {
+    int32_t v;
+    std::memcpy(&v, quad, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  // acc + the sums of u[i] * s[i] over each 4 bytes (u unsigned, s signed)
+  static I dot(I acc, I u, I s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+  }
+  static I abs8(I v) { return _mm512_abs_epi8(v); }
+  static I sign8(I x, I w) {  // x negated where w < 0 (where w == 0 the product is 0 anyway)
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F fset(float v) { return _mm512_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#if defined(__AVX512VNNI__)
+constexpr bool kUnsigned8 = true;
+#else
+constexpr bool kUnsigned8 = false;
+#endif
+#elif defined(__AVX2__)
+constexpr int64_t kPanel = 8;
+constexpr bool kUnsigned8 = false;
+struct Isa {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  static I broadcast(const int8_t* quad) {
+    int32_t v;
+    std::memcpy(&v, quad, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I dot(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I abs8(I v) { return _mm256_abs_epi8(v); }
+  static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F fset(float v) { return _mm256_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#else
+constexpr int64_t kPanel = 8;
+constexpr bool kUnsigned8 = false;
+#endif
+
+inline int64_t block_bytes(int64_t bits) { return bits == 4 ? kPanel * 16 : kPanel * 32; }
+
+// The value of column c (within its panel) at k index j of block `blk` (points at the panel's block).
+inline int32_t panel_value(const uint8_t* blk, int64_t bits, int64_t c, int64_t j) {
+  const int64_t quad = j / 4, byte = j % 4;
+  if (bits == 4) {
+    const uint8_t packed = blk[((quad % 4) * kPanel + c) * 4 + byte];
+    return quad < 4 ? packed & 0x0F : packed >> 4;
+  }
+  const uint8_t v = blk[(quad * kPanel + c) * 4 + byte];
+  return kUnsigned8 ? static_cast<int32_t>(v) : static_cast<int32_t>(static_cast<int8_t>(v));
+}
+
+#if defined(__AVX2__)
+// out[r][c] = x row (row0 + r) . column c of panel `panel`, for R rows.
+template <int Bits, int Group, int R>
+void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
+                int64_t k, float (*out)[kPanel]) {
+  using V = Isa;
+  const int64_t blocks = k / kBlock, groups = k / Group;
+  const int8_t* xq = x.q.data() + row0 * k;
+  const float* xd = x.scale.data() + row0 * blocks;
+  const float* xs = x.sums.data() + row0 * groups;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = wq + b * block_bytes(Bits);
+    typename V::I sum[R], sum_hi[R];  // sum_hi: the block's second group of 16 (Group == 16)
+    for (int r = 0; r < R; ++r) sum[r] = sum_hi[r] = V::zero();
+    if constexpr (Bits == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I v = V::load(blk + j * kPanel * 4);
+        const typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* row = xq + r * k + b * kBlock;
+          sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
+          sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const typename V::I v = V::load(blk + j * kPanel * 4);
+        const typename V::I u = kUnsigned8 ? v : V::abs8(v);
+        for (int r = 0; r < R; ++r) {
+          typename V::I xv = V::broadcast(xq + r * k + b * kBlock + 4 * j);
+          if constexpr (!kUnsigned8) xv = V::sign8(xv, v);
+          if (Group == 16 && j >= 4) {
+            sum_hi[r] = V::dot(sum_hi[r], u, xv);
+          } else {
+            sum[r] = V::dot(sum[r], u, xv);
+          }
+        }
+      }
+    }
+    const int64_t g = Group == 16 ? 2 * b : b;
+    const typename V::F scale = V::fload(ws + g * kPanel);
+    for (int r = 0; r < R; ++r)
+      acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(xd[r * blocks + b])), acc[r]);
+    if constexpr (Group == 16) {
+      const typename V::F scale_hi = V::fload(ws + (g + 1) * kPanel);
+      for (int r = 0; r < R; ++r)
+        acc[r] = V::fmadd(V::to_float(sum_hi[r]), V::mul(scale_hi, V::fset(xd[r * blocks + b])), acc[r]);
+    }
+  }
+  if (wm != nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const typename V::F mins = V::fload(wm + g * kPanel);
+      for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::fset(xs[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) V::fstore(out[r], acc[r]);
+}
+#else
+// Plain C++ for CPUs without AVX2: the same arithmetic, value by value.
+template <int Bits, int Group, int R>
+void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
+                int64_t k, float (*out)[kPanel]) {
+  const int64_t blocks = k / kBlock, groups = k / Group;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.q.data() + (row0 + r) * k;
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t half[2] = {0, 0};
+        for (int64_t j = 0; j < kBlock; ++j)
+          half[j / 16] += panel_value(wq + b * block_bytes(Bits), Bits, c, j) * xq[b * kBlock + j];
+        const float d = x.scale[(row0 + r) * blocks + b];
+        if (Group == 32) {
+          acc += d * ws[b * kPanel + c] * static_cast<float>(half[0] + half[1]);
+        } else {
+          acc += d * (ws[2 * b * kPanel + c] * half[0] + ws[(2 * b + 1) * kPanel + c] * half[1]);
+        }
+      }
+      if (wm != nullptr)
+        for (int64_t g = 0; g < groups; ++g) acc += wm[g * kPanel + c] * x.sums[(row0 + r) * groups + g];
+      out[r][c] = acc;
+    }
+  }
+}
+#endif
+
+template <int Bits, int Group>
+void panel_rows(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
+                int64_t rows, int64_t k, float (*out)[kPanel]) {
+  switch (rows) {
+    case 1: return panel_tile<Bits, Group, 1>(wq, ws, wm, x, row0, k, out);
+    case 2: return panel_tile<Bits, Group, 2>(wq, ws, wm, x, row0, k, out);
+    case 3: return panel_tile<Bits, Group, 3>(wq, ws, wm, x, row0, k, out);
+    default: return panel_tile<Bits, Group, 4>(wq, ws, wm, x, row0, k, out);
+  }
+}
+
+template <typename T, int Bits, int Group>
+void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs, const float* scales,
+                const float* mins) {
+  QuantizedRows xr;
+  quantize_rows(x, m, k, Group, xr);
+  const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
+  const int64_t panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, m - r0);
+      float out[kTileRows][kPanel];
+      panel_rows<Bits, Group>(qs + p * panel_bytes, scales + p * panel_floats,
+                              mins == nullptr ? nullptr : mins + p * panel_floats, xr, r0, rows, k, out);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * n + p * kPanel + c] = from_float<T>(out[r][c]);
+    }
+  }
+}
+
+template <typename T>
+void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs, const float* scales,
+                    const float* mins, int64_t bits, int64_t group) {
+  if (bits == 4) return quant_gemm<T, 4, 32>(x, y, m, n, k, qs, scales, mins);
+  if (group == 16) return quant_gemm<T, 8, 16>(x, y, m, n, k, qs, scales, mins);
+  return quant_gemm<T, 8, 32>(x, y, m, n, k, qs, scales, mins);
+}
+
+// Rows `ids` (all n rows when ids is null) of the weight as floats: embedding lookups, and
+// the whole matrix for a float GEMM.
+template <typename T>
+void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, int64_t bits, int64_t group,
+                     int64_t n, int64_t k, const int64_t* ids, int64_t count, T* out) {
+  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(bits), panel_floats = groups * kPanel;
+#pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = ids == nullptr ? i : ids[i];
+    const int64_t p = row / kPanel, c = row % kPanel;
+    const uint8_t* panel = qs + p * panel_bytes;
+    const float* s = scales + p * panel_floats;
+    const float* mn = mins == nullptr ? nullptr : mins + p * panel_floats;
+    T* dst = out + i * k;
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const uint8_t* blk = panel + b * block_bytes(bits);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int64_t g = (b * kBlock + j) / group;
+        const float v = s[g * kPanel + c] * static_cast<float>(panel_value(blk, bits, c, j));
+        dst[b * kBlock + j] = from_float<T>(mn == nullptr ? v : v + mn[g * kPanel + c]);
+      }
+    }
+  }
+  (void)n;
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+using pagedllm::bf16;
+
+// The layout's parameters for this build: columns per panel, and whether 8-bit values are
+// stored as q + 128 (with min - 128 * scale).
+PAGEDLLM_API int64_t quant_panel_width() { return pagedllm::kPanel; }
+PAGEDLLM_API int64_t quant_unsigned8() { return pagedllm::kUnsigned8 ? 1 : 0; }
+
+PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs,
+                                 const float* scales, const float* mins, int64_t bits, int64_t group) {
+  pagedllm::quant_gemm_any(x, y, m, n, k, qs, scales, mins, bits, group);
+}
+PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs,
+                                  const float* scales, const float* mins, int64_t bits, int64_t group) {
+  pagedllm::quant_gemm_any(x, y, m, n, k, qs, scales, mins, bits, group);
+}
+PAGEDLLM_API void dequantize_rows_f32(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                      int64_t group, int64_t n, int64_t k, const int64_t* ids, int64_t count,
+                                      float* out) {
+  pagedllm::dequantize_rows(qs, scales, mins, bits, group, n, k, ids, count, out);
+}
+PAGEDLLM_API void dequantize_rows_bf16(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                       int64_t group, int64_t n, int64_t k, const int64_t* ids, int64_t count,
+                                       bf16* out) {
+  pagedllm::dequantize_rows(qs, scales, mins, bits, group, n, k, ids, count, out);
+}

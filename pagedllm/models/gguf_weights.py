@@ -1,0 +1,133 @@
+"""GGUF quantized tensors repacked, once at load, into the layout the quantized kernels read
+(pagedllm/layers/quantized.py): blocks of 32 values, each `scale * q + min`.
+
+Each type's bytes are decoded here from the ggml block formats:
+- Q4_0 (d, 16 nibble bytes): value = d * (q - 8); Q4_1 (d, m, nibbles): d * q + m.
+- Q5_0 (d, 32 high bits, nibbles): d * (q - 16); Q5_1 (d, m, high bits, nibbles): d * q + m.
+- Q8_0 (d, 32 signed bytes): d * q.
+- Q4_K / Q5_K: super-blocks of 256 with d and dmin in float16 and eight 6-bit sub-scales
+  and sub-mins packed in 12 bytes: value = d * sc * q - dmin * m per sub-block of 32.
+- Q6_K: super-blocks of 256, 16 signed 8-bit sub-scales (one per 16 values), d in float16:
+  value = d * sc * (q - 32), q's low 4 bits and high 2 bits stored apart.
+Products such as d * sc are exact in float32, so the repacked values equal the file's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.layers.quantized import QuantizedWeight
+
+# type name: bytes per block, values per block
+_BLOCK_SHAPES = {
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q5_0": (22, 32),
+    "Q5_1": (24, 32),
+    "Q8_0": (34, 32),
+    "Q4_K": (144, 256),
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),
+}
+NATIVE_TYPES = tuple(_BLOCK_SHAPES)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per row, as a float32 column [blocks, 1]."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [blocks, 32] in 0..15 -> [blocks, 16] bytes: value i low, value i + 16 high."""
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's nibble order for a 32-value block: byte i holds value i (low) and i + 16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's four bytes of high bits -> [blocks, 32] of 0 or 1 (bit i: value i)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit sub-scales and sub-mins of a Q4_K/Q5_K super-block from its 12 bytes: for
+    j < 4, the low 6 bits of bytes j and j + 4; for j >= 4, a nibble of byte j + 4 with the two
+    top bits of byte j - 4 (scale) or byte j (min) above it."""
+    b = packed.astype(np.uint8)
+    low_sc, low_m, nib = b[:, 0:4], b[:, 4:8], b[:, 8:12]
+    sc = np.concatenate([low_sc & 0x3F, (nib & 0x0F) | ((low_sc >> 6) << 4)], axis=1)
+    mn = np.concatenate([low_m & 0x3F, (nib >> 4) | ((low_m >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, np.ndarray, np.ndarray | None]:
+    """A type's blocks [count, bytes] -> (q [count * values / 32, 32] in 0..15 (4-bit layout) or
+    int8, bits, scales [count, values / group], mins like scales or None)."""
+    n = blocks.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        d = _f16(blocks[:, 0:2])
+        q = _unpack_nibbles(blocks[:, -16:])
+        return q, 4, d, -8.0 * d if kind == "Q4_0" else _f16(blocks[:, 2:4])
+    if kind in ("Q5_0", "Q5_1"):
+        d = _f16(blocks[:, 0:2])
+        start = 2 if kind == "Q5_0" else 4
+        q = _unpack_nibbles(blocks[:, -16:]) | (_high_bits(blocks[:, start : start + 4]) << 4)
+        if kind == "Q5_0":
+            return (q.astype(np.int16) - 16).astype(np.int8), 8, d, None
+        return q.astype(np.int8), 8, d, _f16(blocks[:, 2:4])
+    if kind == "Q8_0":
+        return blocks[:, 2:34].view(np.int8), 8, _f16(blocks[:, 0:2]), None
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, mn = _k_scales(blocks[:, 4:16])
+        qs = blocks[:, -128:].reshape(n, 4, 32)  # 32 bytes hold sub-blocks 2g (low) and 2g + 1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+        if kind == "Q5_K":  # byte l of qh holds bit 4 of value l in every sub-block j, at bit j
+            qh = blocks[:, 16:48]
+            q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        return (
+            q.reshape(n * 8, 32).astype(np.int8 if kind == "Q5_K" else np.uint8),
+            (4 if kind == "Q4_K" else 8),
+            d * sc,
+            -dmin * mn,
+        )
+    if kind == "Q6_K":
+        ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
+        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blocks[:, 208:210])
+        # Per half of 128 values: 32-value chunk c takes ql's low (c = 0, 1) or high (c = 2, 3)
+        # nibbles of bytes 32(c % 2).., and bits 2c, 2c + 1 of qh.
+        low = np.concatenate([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
+        high = np.concatenate([(qh >> (2 * c)) & 3 for c in range(4)], axis=2)
+        q = (low | (high << 4)).astype(np.int16) - 32
+        return q.reshape(n * 8, 32).astype(np.int8), 8, d * sc, None
+    raise ValueError(f"GGUF type {kind} has no native kernel (native types: {', '.join(NATIVE_TYPES)})")
+
+
+def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight:
+    """A GGUF tensor's raw bytes (`GGUFReader` tensor data) of type `kind`, [rows, cols] in the
+    Hugging Face orientation, as a QuantizedWeight."""
+    block_bytes, block_values = _BLOCK_SHAPES[kind]
+    if cols % block_values:
+        raise ValueError(f"a {kind} tensor's rows must hold whole blocks of {block_values}, got {cols}")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    if blocks.shape[0] != rows * cols // block_values:
+        raise ValueError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold [{rows}, {cols}]")
+    q, bits, scales, mins = _decode(blocks, kind)
+    qs = _pack_nibbles(q) if bits == 4 else q.view(np.uint8)
+    scales = scales.reshape(rows, -1)
+    group = cols // scales.shape[1]
+    if mins is not None and not mins.any():
+        mins = None
+    return QuantizedWeight(
+        torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, -1)),
+        bits,
+        group,
+        kind,
+    )
