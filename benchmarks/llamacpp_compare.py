@@ -105,6 +105,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
     parser.add_argument("--workload", default="benchmarks/workloads/long-output-64.jsonl")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: every core)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts both engines afresh")
     parser.add_argument("--output", default="bench-results/llamacpp-compare.json")
@@ -113,7 +114,7 @@ def main() -> int:
     prompt, max_tokens = request["prompt_token_ids"], request["max_tokens"]
     gguf = resolve_model_path(args.model)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
-    config = EngineConfig(model=args.model, dtype=dtype, max_model_len=2048)
+    config = EngineConfig(model=args.model, dtype=dtype, max_model_len=2048, weights=args.weights)
     streams: dict[str, list[int]] = {}
 
     def ours() -> dict:

@@ -25,20 +25,21 @@ from pagedllm.execution.device import resolve_dtype
 from pagedllm.layers.cpu_kernels import cpu_summary, load_cpu_kernels
 from pagedllm.layers.linear import Linear, resolve_linear_backend
 from pagedllm.layers.quantized import QuantizedLinear, QuantizedWeight, pack
+from pagedllm.models.llama import fuse
 from pagedllm.models.loader import load_weights, resolve_model_path
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
-def fused(weights: dict, config) -> list[QuantizedWeight]:
+def fused(weights: dict, config) -> list[list[QuantizedWeight]]:
     """The engine's fused projections (qkv, o, gate_up, down) per layer, and the LM head."""
     out = []
     for i in range(config.num_layers):
         w = [weights[f"layers.{i}.{name}.weight"] for name in PROJECTIONS]
-        out += [QuantizedWeight.cat(w[0:3]), w[3], QuantizedWeight.cat(w[4:6]), w[6]]
+        out += [fuse(w[0:3]), [w[3]], fuse(w[4:6]), [w[6]]]
     head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    return out + [weights[head]]
+    return out + [[weights[head]]]
 
 
 def main() -> None:
@@ -55,23 +56,23 @@ def main() -> None:
     config, weights = load_weights(resolve_model_path(args.model), keep_quantized=True)
     quantized = fused(weights, config)
     backend = resolve_linear_backend("auto", dtype)
-    packed = [pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in quantized]
+    packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
     ways = {
         "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
         "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0) for w in packed],
-        "dense": [Linear(w.dequantize(dtype), backend, kernels) for w in quantized],
+        "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
     print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>22}" for name in ways) + f" {'int/dense':>10}")
     for m in args.rows:
         x = torch.randn(m, config.hidden_size).to(dtype)
-        inputs = {id(w): torch.randn(m, w.cols).to(dtype) for w in quantized}
+        inputs = {id(w): torch.randn(m, w[0].cols).to(dtype) for w in quantized}
         times: dict[str, list[float]] = {name: [] for name in ways}
         for round_ in range(args.rounds + 1):
             for name in list(ways)[round_ % 3 :] + list(ways)[: round_ % 3]:
                 start = time.perf_counter()
                 for w, linear in zip(quantized, ways[name]):
-                    linear(inputs[id(w)] if w.cols != config.hidden_size else x)
+                    linear(inputs[id(w)] if w[0].cols != config.hidden_size else x)
                 if round_:  # the first round warms up
                     times[name].append((time.perf_counter() - start) * 1e3)
         cells = [f"{statistics.median(t):9.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]

@@ -67,8 +67,8 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
     "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
-    "quant_gemm": ([_P] * 2 + [_I] * 3 + [_P] * 3 + [_I] * 2, _F32 + _BF16),
-    "dequantize_rows": ([_P] * 3 + [_I] * 4 + [_P, _I, _P], _F32 + _BF16),
+    "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
+    "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -343,30 +343,40 @@ class CpuKernels:
             _ptr(seq_lens), _ptr(tables), rows.shape[0], tables.shape[1],
         )  # fmt: skip
 
-    def quant_gemm(self, x: torch.Tensor, w) -> torch.Tensor:
-        """x [m, k] @ W^T for W a PackedWeight [n, k] (pagedllm/layers/quantized.py; the kernels are
-        csrc/quant_gemm.cpp); float32 or bfloat16 x, y of x's dtype."""
-        _check(x, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+    def quant_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:
+        """out[:, col : col + w.rows] = x [m, k] @ W^T for W a PackedWeight [rows, k]
+        (pagedllm/layers/quantized.py; the kernels are csrc/quant_gemm.cpp); x float32 or
+        bfloat16, out [m, >= col + rows] of x's dtype."""
+        _check(x, out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
         m, k = x.shape
-        if k != w.cols:
-            raise ValueError(f"x has {k} columns, the quantized weight {w.cols}")
-        y = torch.empty(m, w.rows, dtype=x.dtype)
+        if k != w.cols or out.dtype != x.dtype or out.shape[0] != m or out.shape[1] < col + w.rows:
+            raise ValueError(f"quant_gemm: x {tuple(x.shape)}, weight [{w.rows}, {w.cols}], out {tuple(out.shape)}")
         mins = None if w.mins is None else _ptr(w.mins)
-        self._fn("quant_gemm", x.dtype)(
-            _ptr(x), _ptr(y), m, w.rows, k, _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group
-        )
-        return y
+        fn = self._fn("quant_gemm", x.dtype)
+        y = _ptr(out) + col * out.element_size()
+        fn(_ptr(x), y, m, w.rows, k, out.shape[1], _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group, w.zero)
 
-    def dequantize_rows(self, w, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` (int64, each in range; None: every row) of a PackedWeight as `dtype`."""
-        _check(w.qs, w.scales, *(() if w.mins is None else (w.mins,)), *(() if ids is None else (ids,)))
-        count = w.rows if ids is None else ids.shape[0]
-        out = torch.empty(count, w.cols, dtype=dtype)
-        self._fn("dequantize_rows", dtype)(
-            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.rows, w.cols,
-            None if ids is None else _ptr(ids), count, _ptr(out),
-        )  # fmt: skip
+    def dequantize_rows(self, w, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32
+        or bfloat16); returns out."""
+        _check(out, ids, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        if tuple(out.shape) != (ids.shape[0], w.cols):
+            raise ValueError(f"dequantize_rows: out {tuple(out.shape)} for {ids.shape[0]} rows of {w.cols}")
+        self._dequantize(w, _ptr(ids), ids.shape[0], _ptr(out), out.dtype)
         return out
+
+    def dequantize_transposed(self, w, out: torch.Tensor, col: int = 0) -> None:
+        """out[:, col : col + w.rows] = W^T for a PackedWeight W [rows, cols]; out [cols, >= col + rows]."""
+        _check(out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        if out.shape[0] != w.cols or out.shape[1] < col + w.rows:
+            raise ValueError(f"dequantize_transposed: out {tuple(out.shape)} for [{w.rows}, {w.cols}] at {col}")
+        self._dequantize(w, None, out.shape[1], _ptr(out) + col * out.element_size(), out.dtype)
+
+    def _dequantize(self, w, ids: int | None, count: int, out: int, dtype: torch.dtype) -> None:
+        self._fn("dequantize_rows", dtype)(
+            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.zero, w.rows,
+            w.cols, ids, count, out,
+        )  # fmt: skip
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for float32 x [rows, cols] (cols >= 1): the first index of each

@@ -64,23 +64,21 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, np.ndarray, np.ndarray | None]:
-    """A type's blocks [count, bytes] -> (q [count * values / 32, 32] in 0..15 (4-bit layout) or
-    int8, bits, scales [count, values / group], mins like scales or None)."""
+def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, int, np.ndarray, np.ndarray | None]:
+    """A type's blocks [count, bytes] -> (q [count * values / 32, 32] (uint8 for 4 and 5 bits,
+    int8 for 8), bits, zero point, scales [count, values / group], mins like scales or None)."""
     n = blocks.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         d = _f16(blocks[:, 0:2])
         q = _unpack_nibbles(blocks[:, -16:])
-        return q, 4, d, -8.0 * d if kind == "Q4_0" else _f16(blocks[:, 2:4])
+        return (q, 4, 8, d, None) if kind == "Q4_0" else (q, 4, 0, d, _f16(blocks[:, 2:4]))
     if kind in ("Q5_0", "Q5_1"):
         d = _f16(blocks[:, 0:2])
         start = 2 if kind == "Q5_0" else 4
         q = _unpack_nibbles(blocks[:, -16:]) | (_high_bits(blocks[:, start : start + 4]) << 4)
-        if kind == "Q5_0":
-            return (q.astype(np.int16) - 16).astype(np.int8), 8, d, None
-        return q.astype(np.int8), 8, d, _f16(blocks[:, 2:4])
+        return (q, 5, 16, d, None) if kind == "Q5_0" else (q, 5, 0, d, _f16(blocks[:, 2:4]))
     if kind == "Q8_0":
-        return blocks[:, 2:34].view(np.int8), 8, _f16(blocks[:, 0:2]), None
+        return blocks[:, 2:34].view(np.int8), 8, 0, _f16(blocks[:, 0:2]), None
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scales(blocks[:, 4:16])
@@ -89,12 +87,7 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, np.ndarray,
         if kind == "Q5_K":  # byte l of qh holds bit 4 of value l in every sub-block j, at bit j
             qh = blocks[:, 16:48]
             q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
-        return (
-            q.reshape(n * 8, 32).astype(np.int8 if kind == "Q5_K" else np.uint8),
-            (4 if kind == "Q4_K" else 8),
-            d * sc,
-            -dmin * mn,
-        )
+        return q.reshape(n * 8, 32), 4 if kind == "Q4_K" else 5, 0, d * sc, -dmin * mn
     if kind == "Q6_K":
         ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
         sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
@@ -104,7 +97,7 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, np.ndarray,
         low = np.concatenate([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
         high = np.concatenate([(qh >> (2 * c)) & 3 for c in range(4)], axis=2)
         q = (low | (high << 4)).astype(np.int16) - 32
-        return q.reshape(n * 8, 32).astype(np.int8), 8, d * sc, None
+        return q.reshape(n * 8, 32).astype(np.int8), 8, 0, d * sc, None
     raise ValueError(f"GGUF type {kind} has no native kernel (native types: {', '.join(NATIVE_TYPES)})")
 
 
@@ -117,7 +110,7 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
     if blocks.shape[0] != rows * cols // block_values:
         raise ValueError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold [{rows}, {cols}]")
-    q, bits, scales, mins = _decode(blocks, kind)
+    q, bits, zero, scales, mins = _decode(blocks, kind)
     qs = _pack_nibbles(q) if bits == 4 else q.view(np.uint8)
     scales = scales.reshape(rows, -1)
     group = cols // scales.shape[1]
@@ -129,5 +122,6 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
         None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, -1)),
         bits,
         group,
+        zero,
         kind,
     )

@@ -48,17 +48,26 @@ class QuantizedSetup:
     def pack(self, weight: QuantizedWeight) -> PackedWeight:
         return pack(weight, self.kernels.quant_panel_width, self.kernels.quant_unsigned8)
 
-    def linear(self, weight: QuantizedWeight | PackedWeight, max_rows: int | None = None) -> QuantizedLinear:
-        packed = weight if isinstance(weight, PackedWeight) else self.pack(weight)
-        return QuantizedLinear(packed, self.kernels, self.max_rows if max_rows is None else max_rows)
+    def linear(self, weights: list[QuantizedWeight | PackedWeight], max_rows: int | None = None) -> QuantizedLinear:
+        parts = [w if isinstance(w, PackedWeight) else self.pack(w) for w in weights]
+        return QuantizedLinear(parts, self.kernels, self.max_rows if max_rows is None else max_rows)
 
 
-def fuse(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
-    """Projections stacked by rows (q, k, v; gate, up): kept quantized when every part is,
-    else in float."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], dim=0)
+Fused = torch.Tensor | list[QuantizedWeight]
+
+
+def fuse(parts: list[torch.Tensor | QuantizedWeight]) -> Fused:
+    """Projections stacked by rows (q, k, v; gate, up).  Kept quantized when every part is: a
+    list of parts, neighbours of the same layout stacked into one; else one float tensor."""
+    if not all(isinstance(p, QuantizedWeight) for p in parts):
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], dim=0)
+    runs: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].layout == part.layout:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [QuantizedWeight.cat(run) if len(run) > 1 else run[0] for run in runs]
 
 
 class DecoderLayer(nn.Module):
@@ -88,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
         self.linears: dict[str, Linear | QuantizedLinear] = {}
-        self.quantized: dict[str, QuantizedWeight] = {}  # projections kept quantized (GGUF, weights=native)
+        self.quantized: dict[str, list[QuantizedWeight]] = {}  # projections kept quantized (weights=native)
 
     def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
         """Build the projections from the loaded weights; the Linear's copies (oneDNN's packed one,
@@ -219,13 +228,15 @@ class LlamaModel(nn.Module):
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
                 projections = {
                     "qkv_proj": fuse([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
-                    "o_proj": take(p + "self_attn.o_proj.weight"),
+                    "o_proj": fuse([take(p + "self_attn.o_proj.weight")]),
                     "gate_up_proj": fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    "down_proj": take(p + "mlp.down_proj.weight"),
+                    "down_proj": fuse([take(p + "mlp.down_proj.weight")]),
                 }
                 for name, weight in projections.items():
                     param = getattr(layer, name)
-                    if isinstance(weight, QuantizedWeight) and quantized is not None:
+                    if isinstance(weight, list) and quantized is None:
+                        weight = torch.cat([w.dequantize() for w in weight])
+                    if isinstance(weight, list):
                         layer.quantized[name] = weight
                         param.data = torch.empty(0, dtype=param.dtype)
                     else:
@@ -241,11 +252,11 @@ class LlamaModel(nn.Module):
         if quantized is not None and (self.embed_packed is not None and self.config.tie_word_embeddings):
             # The tied LM head reads the embedding's quantized table; it runs on the sampled rows
             # only (one per request), so always on the integer kernels.
-            self.lm_head_linear = quantized.linear(self.embed_packed, max_rows=LM_HEAD_MAX_ROWS)
+            self.lm_head_linear = quantized.linear([self.embed_packed], max_rows=LM_HEAD_MAX_ROWS)
             return
         if head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
-            self.lm_head_linear = quantized.linear(head, max_rows=LM_HEAD_MAX_ROWS)
+            self.lm_head_linear = quantized.linear([head], max_rows=LM_HEAD_MAX_ROWS)
             return
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).  It runs on the
         # sampled rows only, so in bfloat16 a decode step's rows go to the small-batch kernel too
@@ -330,7 +341,7 @@ class LlamaModel(nn.Module):
         linears = [linear for layer in self.layers for linear in layer.linears.values()]
         if self.lm_head_linear is not None:
             linears.append(self.lm_head_linear)
-        packed = {id(linear.weight): linear.weight for linear in linears if isinstance(linear, QuantizedLinear)}
+        packed = {id(w): w for linear in linears if isinstance(linear, QuantizedLinear) for w in linear.parts}
         if self.embed_packed is not None:
             packed[id(self.embed_packed)] = self.embed_packed
         linears = [linear for linear in linears if not isinstance(linear, QuantizedLinear)]

@@ -2,29 +2,32 @@
 // from them.
 //
 // Values.  Every GGUF type the engine runs natively is repacked once at load into one of
-// two kinds, in blocks of 32 values along k, each value w = scale * q + min for its group
-// of `group` (16 or 32) values (pagedllm/models/gguf_weights.py):
-// - 4-bit: q in 0..15 (Q4_0, Q4_1, Q4_K, exactly: scale and min in float32 hold Q4_K's
-//   d * sub-scale without rounding);
-// - 8-bit: q a signed byte (Q5_0, Q5_1, Q5_K, Q6_K in groups of 16, Q8_0).  Where the build
-//   has VNNI they are stored as q + 128 (unsigned) and min - 128 * scale, which `vpdpbusd`
-//   (unsigned x signed bytes) takes without the sign trick below.
+// three kinds, in blocks of 32 values along k, each value w = scale * (u - zero) + min for
+// its group of `group` values (pagedllm/models/gguf_weights.py): `zero` is an integer
+// zero point (Q4_0: 8, Q5_0: 16), min a float (Q4_1, Q4_K, Q5_1, Q5_K) or absent.
+// - 4-bit: u in 0..15 (Q4_0, Q4_1, Q4_K; scale and min in float32 hold Q4_K's d * sub-scale
+//   exactly);
+// - 5-bit: u in 0..31 (Q5_0, Q5_1, Q5_K), as 4-bit plus a plane of fifth bits;
+// - 8-bit: a signed byte (Q8_0, and Q6_K in groups of 16).  Where the build has VNNI they
+//   are stored as q + 128 with zero 128, which `vpdpbusd` (unsigned x signed bytes) takes
+//   without the sign trick below.
 //
 // Layout (pagedllm/layers/quantized.py packs it): output columns in panels of kPanel (16 with
 // AVX-512, 8 with AVX2), so that one vector holds 4 consecutive k values ("a quad") of each
 // of the panel's columns.  Per panel and block of 32: 8-bit, quads 0..7 one after another
 // ([8][kPanel][4] bytes); 4-bit, [4][kPanel][4] bytes, quad j in the low nibbles and quad j + 4
-// in the high ones.  Scales and mins: float32 [panels][k / group][kPanel].
+// in the high ones; 5-bit, the 4-bit bytes then [kPanel][4] bytes of fifth bits, bit j of
+// byte (c, i) for value 4j + i of column c.  Scales and mins: float32 [panels][k / group][kPanel].
 //
 // Arithmetic.  The activations are quantized per block of 32 to signed bytes with a float
 // scale, as llama.cpp's dot products do; a block's products are integer multiply-adds of a
 // weight vector with one row's quad broadcast: VNNI's `vpdpbusd`, else `vpmaddubsw` (unsigned
-// x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: 4-bit q is at
-// most 15, and 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  Each
-// block's int32 sums are scaled once (the weight's scale times x's), and the mins' term is
-// min * (the sum of the group's x), from sums taken as x is quantized.  A tile of up to
-// kTileRows rows shares each weight vector loaded, so a step of a few rows reads the weights
-// once.
+// x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: u is at most 31,
+// and signed 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  The zero
+// point comes off in integers (zero * the sum of the group's x); each block's int32 sums are
+// then scaled once (the weight's scale times x's), and the mins' term is min * (the sum of
+// the group's x).  A tile of up to kTileRows rows shares each weight vector loaded, so a
+// step of a few rows reads the weights once.
 #include <omp.h>
 
 #include <algorithm>
@@ -43,9 +46,10 @@ constexpr int64_t kTileRows = 4;
 
 // Activation rows quantized per block of 32.
 struct QuantizedRows {
-  std::vector<int8_t> q;     // [m, k]
-  std::vector<float> scale;  // [m, k / 32]
-  std::vector<float> sums;   // [m, k / group]: scale * the sum of q over each group of the weight's
+  std::vector<int8_t> q;        // [m, k]
+  std::vector<float> scale;     // [m, k / 32]
+  std::vector<float> sums;      // [m, k / group]: scale * the sum of q over each group of the weight's
+  std::vector<int32_t> halves;  // [m, k / 16]: the sum of q over each 16 values
 };
 
 template <typename T>
@@ -54,6 +58,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRow
   out.q.resize(m * k);
   out.scale.resize(blocks);
   out.sums.resize(m * k / group);
+  out.halves.resize(m * k / 16);
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < blocks; ++i) {  // rows are contiguous and k % 32 == 0: block i of the flat [m * k]
     float v[kBlock];
@@ -69,6 +74,8 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRow
       q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
       half[j / 16] += q[j];
     }
+    out.halves[2 * i] = half[0];
+    out.halves[2 * i + 1] = half[1];
     if (group == kBlock) {
       out.sums[i] = d * static_cast<float>(half[0] + half[1]);
     } else {
@@ -103,6 +110,24 @@ struct Isa {
 #endif
   }
   static I abs8(I v) { return _mm512_abs_epi8(v); }
+  // bit `bit` of every byte of h moved to bit 4 (the fifth bit of a 5-bit value), the rest 0
+  static I fifth(I h, int bit) {
+    const I shifted = bit < 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4);
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x10));
+  }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub32(I a, int32_t v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
+  static I srl32(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I sll32(I v, int n) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I sra32(I v, int n) { return _mm512_sra_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I and32(I v, int32_t mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void store(bf16* p, F v) {  // rounded to nearest even (weights are finite)
+    const I bits = _mm512_castps_si512(v);
+    const I lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const I rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
   static I sign8(I x, I w) {  // x negated where w < 0 (where w == 0 the product is 0 anyway)
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
   }
@@ -138,6 +163,22 @@ struct Isa {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
   static I abs8(I v) { return _mm256_abs_epi8(v); }
+  static I fifth(I h, int bit) {
+    const I shifted = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4);
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x10));
+  }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub32(I a, int32_t v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v)); }
+  static I srl32(I v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I sll32(I v, int n) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I sra32(I v, int n) { return _mm256_sra_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I and32(I v, int32_t mask) { return _mm256_and_si256(v, _mm256_set1_epi32(mask)); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void store(bf16* p, F v) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int c = 0; c < 8; ++c) p[c] = from_float<bf16>(tmp[c]);
+  }
   static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
@@ -152,46 +193,39 @@ constexpr int64_t kPanel = 8;
 constexpr bool kUnsigned8 = false;
 #endif
 
-inline int64_t block_bytes(int64_t bits) { return bits == 4 ? kPanel * 16 : kPanel * 32; }
+inline int64_t block_bytes(int64_t bits) { return kPanel * (bits == 4 ? 16 : bits == 5 ? 20 : 32); }
 
-// The value of column c (within its panel) at k index j of block `blk` (points at the panel's block).
+// The stored integer of column c (within its panel) at k index j of block `blk` (which points
+// at the panel's block).
 inline int32_t panel_value(const uint8_t* blk, int64_t bits, int64_t c, int64_t j) {
   const int64_t quad = j / 4, byte = j % 4;
-  if (bits == 4) {
-    const uint8_t packed = blk[((quad % 4) * kPanel + c) * 4 + byte];
-    return quad < 4 ? packed & 0x0F : packed >> 4;
+  if (bits == 8) {
+    const uint8_t v = blk[(quad * kPanel + c) * 4 + byte];
+    return kUnsigned8 ? static_cast<int32_t>(v) : static_cast<int32_t>(static_cast<int8_t>(v));
   }
-  const uint8_t v = blk[(quad * kPanel + c) * 4 + byte];
-  return kUnsigned8 ? static_cast<int32_t>(v) : static_cast<int32_t>(static_cast<int8_t>(v));
+  const uint8_t packed = blk[((quad % 4) * kPanel + c) * 4 + byte];
+  const int32_t low = quad < 4 ? packed & 0x0F : packed >> 4;
+  return bits == 4 ? low : low | (((blk[16 * kPanel + c * 4 + byte] >> quad) & 1) << 4);
 }
 
 #if defined(__AVX2__)
-// out[r][c] = x row (row0 + r) . column c of panel `panel`, for R rows.
+// out[r][c] = x row (row0 + r) . column c of the panel, for R rows.
 template <int Bits, int Group, int R>
-void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
-                int64_t k, float (*out)[kPanel]) {
+void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
+                int64_t row0, int64_t k, float (*out)[kPanel]) {
   using V = Isa;
   const int64_t blocks = k / kBlock, groups = k / Group;
   const int8_t* xq = x.q.data() + row0 * k;
   const float* xd = x.scale.data() + row0 * blocks;
   const float* xs = x.sums.data() + row0 * groups;
+  const int32_t* halves = x.halves.data() + row0 * 2 * blocks;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = wq + b * block_bytes(Bits);
     typename V::I sum[R], sum_hi[R];  // sum_hi: the block's second group of 16 (Group == 16)
     for (int r = 0; r < R; ++r) sum[r] = sum_hi[r] = V::zero();
-    if constexpr (Bits == 4) {
-      for (int j = 0; j < 4; ++j) {
-        const typename V::I v = V::load(blk + j * kPanel * 4);
-        const typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* row = xq + r * k + b * kBlock;
-          sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
-          sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
-        }
-      }
-    } else {
+    if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
         const typename V::I u = kUnsigned8 ? v : V::abs8(v);
@@ -203,6 +237,32 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const Quant
           } else {
             sum[r] = V::dot(sum[r], u, xv);
           }
+        }
+      }
+    } else {
+      const typename V::I fifth_bits = Bits == 5 ? V::load(blk + 16 * kPanel) : V::zero();
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I v = V::load(blk + j * kPanel * 4);
+        typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
+        if constexpr (Bits == 5) {
+          lo = V::or_(lo, V::fifth(fifth_bits, j));
+          hi = V::or_(hi, V::fifth(fifth_bits, j + 4));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* row = xq + r * k + b * kBlock;
+          sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
+          sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
+        }
+      }
+    }
+    if (zero != 0) {  // sum of (u - zero) * x = sum of u * x - zero * sum of x
+      for (int r = 0; r < R; ++r) {
+        const int32_t* h = halves + r * 2 * blocks + 2 * b;
+        if constexpr (Group == 16) {
+          sum[r] = V::sub32(sum[r], zero * h[0]);
+          sum_hi[r] = V::sub32(sum_hi[r], zero * h[1]);
+        } else {
+          sum[r] = V::sub32(sum[r], zero * (h[0] + h[1]));
         }
       }
     }
@@ -227,8 +287,8 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const Quant
 #else
 // Plain C++ for CPUs without AVX2: the same arithmetic, value by value.
 template <int Bits, int Group, int R>
-void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
-                int64_t k, float (*out)[kPanel]) {
+void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
+                int64_t row0, int64_t k, float (*out)[kPanel]) {
   const int64_t blocks = k / kBlock, groups = k / Group;
   for (int r = 0; r < R; ++r) {
     const int8_t* xq = x.q.data() + (row0 + r) * k;
@@ -237,7 +297,7 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const Quant
       for (int64_t b = 0; b < blocks; ++b) {
         int32_t half[2] = {0, 0};
         for (int64_t j = 0; j < kBlock; ++j)
-          half[j / 16] += panel_value(wq + b * block_bytes(Bits), Bits, c, j) * xq[b * kBlock + j];
+          half[j / 16] += (panel_value(wq + b * block_bytes(Bits), Bits, c, j) - zero) * xq[b * kBlock + j];
         const float d = x.scale[(row0 + r) * blocks + b];
         if (Group == 32) {
           acc += d * ws[b * kPanel + c] * static_cast<float>(half[0] + half[1]);
@@ -254,19 +314,20 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, const Quant
 #endif
 
 template <int Bits, int Group>
-void panel_rows(const uint8_t* wq, const float* ws, const float* wm, const QuantizedRows& x, int64_t row0,
-                int64_t rows, int64_t k, float (*out)[kPanel]) {
+void panel_rows(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
+                int64_t row0, int64_t rows, int64_t k, float (*out)[kPanel]) {
   switch (rows) {
-    case 1: return panel_tile<Bits, Group, 1>(wq, ws, wm, x, row0, k, out);
-    case 2: return panel_tile<Bits, Group, 2>(wq, ws, wm, x, row0, k, out);
-    case 3: return panel_tile<Bits, Group, 3>(wq, ws, wm, x, row0, k, out);
-    default: return panel_tile<Bits, Group, 4>(wq, ws, wm, x, row0, k, out);
+    case 1: return panel_tile<Bits, Group, 1>(wq, ws, wm, zero, x, row0, k, out);
+    case 2: return panel_tile<Bits, Group, 2>(wq, ws, wm, zero, x, row0, k, out);
+    case 3: return panel_tile<Bits, Group, 3>(wq, ws, wm, zero, x, row0, k, out);
+    default: return panel_tile<Bits, Group, 4>(wq, ws, wm, zero, x, row0, k, out);
   }
 }
 
+// y[r * ldy + j] for j < n: row r of x times column j of the weight.
 template <typename T, int Bits, int Group>
-void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs, const float* scales,
-                const float* mins) {
+void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
+                const float* scales, const float* mins, int32_t zero) {
   QuantizedRows xr;
   quantize_rows(x, m, k, Group, xr);
   const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
@@ -278,45 +339,113 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, const uint8_t
       const int64_t rows = std::min(kTileRows, m - r0);
       float out[kTileRows][kPanel];
       panel_rows<Bits, Group>(qs + p * panel_bytes, scales + p * panel_floats,
-                              mins == nullptr ? nullptr : mins + p * panel_floats, xr, r0, rows, k, out);
+                              mins == nullptr ? nullptr : mins + p * panel_floats, zero, xr, r0, rows, k, out);
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * n + p * kPanel + c] = from_float<T>(out[r][c]);
+        for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * ldy + p * kPanel + c] = from_float<T>(out[r][c]);
     }
   }
 }
 
 template <typename T>
-void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs, const float* scales,
-                    const float* mins, int64_t bits, int64_t group) {
-  if (bits == 4) return quant_gemm<T, 4, 32>(x, y, m, n, k, qs, scales, mins);
-  if (group == 16) return quant_gemm<T, 8, 16>(x, y, m, n, k, qs, scales, mins);
-  return quant_gemm<T, 8, 32>(x, y, m, n, k, qs, scales, mins);
+void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
+                    const float* scales, const float* mins, int64_t bits, int64_t group, int64_t zero) {
+  const int32_t z = static_cast<int32_t>(zero);
+  if (bits == 4) return quant_gemm<T, 4, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  if (bits == 5) return quant_gemm<T, 5, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  if (group == 16) return quant_gemm<T, 8, 16>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  return quant_gemm<T, 8, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
 }
 
-// Rows `ids` (all n rows when ids is null) of the weight as floats: embedding lookups, and
-// the whole matrix for a float GEMM.
-template <typename T>
-void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, int64_t bits, int64_t group,
-                     int64_t n, int64_t k, const int64_t* ids, int64_t count, T* out) {
-  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(bits), panel_floats = groups * kPanel;
+// Rows `ids` of the weight as floats (embedding lookups).
+template <typename T, int Bits>
+void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t group,
+                     int64_t k, const int64_t* ids, int64_t count, T* out) {
+  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
 #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t row = ids == nullptr ? i : ids[i];
-    const int64_t p = row / kPanel, c = row % kPanel;
-    const uint8_t* panel = qs + p * panel_bytes;
+    const int64_t p = ids[i] / kPanel, c = ids[i] % kPanel;
     const float* s = scales + p * panel_floats;
     const float* mn = mins == nullptr ? nullptr : mins + p * panel_floats;
-    T* dst = out + i * k;
     for (int64_t b = 0; b < k / kBlock; ++b) {
-      const uint8_t* blk = panel + b * block_bytes(bits);
+      const uint8_t* blk = qs + p * panel_bytes + b * block_bytes(Bits);
       for (int64_t j = 0; j < kBlock; ++j) {
         const int64_t g = (b * kBlock + j) / group;
-        const float v = s[g * kPanel + c] * static_cast<float>(panel_value(blk, bits, c, j));
-        dst[b * kBlock + j] = from_float<T>(mn == nullptr ? v : v + mn[g * kPanel + c]);
+        const float v = s[g * kPanel + c] * static_cast<float>(panel_value(blk, Bits, c, j) - zero);
+        out[i * k + b * kBlock + j] = from_float<T>(mn == nullptr ? v : v + mn[g * kPanel + c]);
       }
     }
   }
-  (void)n;
+}
+
+// The whole weight transposed, W^T [k, n] at out (rows ldo apart), as floats: a float GEMM takes
+// it for many-row steps.  In the panel layout byte i of every 4-byte lane of a quad's vector is
+// one k row of the panel's columns, so each is shifted down, masked, converted and stored whole.
+template <typename T, int Bits>
+void dequantize_transposed(const uint8_t* qs, const float* scales, const float* mins, int32_t zero,
+                           int64_t group, int64_t n, int64_t k, T* out, int64_t ldo) {
+  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  // Panels side by side that fill a 64-byte cache line of a row of out, done together so that
+  // each line is written whole, once.
+  constexpr int64_t line = std::max<int64_t>(1, 64 / (kPanel * static_cast<int64_t>(sizeof(T))));
+#pragma omp parallel for schedule(static)
+  for (int64_t first = 0; first < panels; first += line) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      for (int j = 0; j < 8; ++j) {
+       for (int64_t p = first; p < std::min(panels, first + line); ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        const uint8_t* blk = qs + p * panel_bytes + b * block_bytes(Bits);
+        const int64_t g = (b * kBlock + 4 * j) / group;
+        const float* s = scales + p * panel_floats + g * kPanel;
+        const float* mn = mins == nullptr ? nullptr : mins + p * panel_floats + g * kPanel;
+#if defined(__AVX2__)
+        using V = Isa;
+        const typename V::I v = V::load(blk + (Bits == 8 ? j : j & 3) * kPanel * 4);
+        const typename V::I fifth_bits = Bits == 5 ? V::load(blk + 16 * kPanel) : V::zero();
+        const typename V::F scale = V::fload(s), offset = mn == nullptr ? V::fzero() : V::fload(mn);
+        for (int i = 0; i < 4; ++i) {
+          typename V::I t;
+          if constexpr (Bits == 8) {
+            t = kUnsigned8 ? V::and32(V::srl32(v, 8 * i), 0xFF) : V::sra32(V::sll32(v, 24 - 8 * i), 24);
+          } else {
+            t = V::and32(V::srl32(v, 8 * i + (j < 4 ? 0 : 4)), 0x0F);
+            if constexpr (Bits == 5) t = V::or_(t, V::sll32(V::and32(V::srl32(fifth_bits, 8 * i + j), 1), 4));
+          }
+          const typename V::F row = V::fmadd(V::to_float(V::sub32(t, zero)), scale, offset);
+          T* dst = out + (b * kBlock + 4 * j + i) * ldo + p * kPanel;
+          if (cols == kPanel) {
+            V::store(dst, row);
+          } else {
+            float tmp[kPanel];
+            V::fstore(tmp, row);
+            for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(tmp[c]);
+          }
+        }
+#else
+        for (int64_t i = 0; i < 4; ++i)
+          for (int64_t c = 0; c < cols; ++c) {
+            const float v = s[c] * static_cast<float>(panel_value(blk, Bits, c, 4 * j + i) - zero);
+            out[(b * kBlock + 4 * j + i) * ldo + p * kPanel + c] = from_float<T>(mn == nullptr ? v : v + mn[c]);
+          }
+#endif
+       }
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequantize_any(const uint8_t* qs, const float* scales, const float* mins, int64_t bits, int64_t group,
+                    int64_t zero, int64_t n, int64_t k, const int64_t* ids, int64_t count, T* out) {
+  const int32_t z = static_cast<int32_t>(zero);
+  if (ids == nullptr) {  // the whole weight, transposed: out is [k, count] (count = n)
+    if (bits == 4) return dequantize_transposed<T, 4>(qs, scales, mins, z, group, n, k, out, count);
+    if (bits == 5) return dequantize_transposed<T, 5>(qs, scales, mins, z, group, n, k, out, count);
+    return dequantize_transposed<T, 8>(qs, scales, mins, z, group, n, k, out, count);
+  }
+  if (bits == 4) return dequantize_rows<T, 4>(qs, scales, mins, z, group, k, ids, count, out);
+  if (bits == 5) return dequantize_rows<T, 5>(qs, scales, mins, z, group, k, ids, count, out);
+  return dequantize_rows<T, 8>(qs, scales, mins, z, group, k, ids, count, out);
 }
 
 }  // namespace
@@ -329,21 +458,26 @@ using pagedllm::bf16;
 PAGEDLLM_API int64_t quant_panel_width() { return pagedllm::kPanel; }
 PAGEDLLM_API int64_t quant_unsigned8() { return pagedllm::kUnsigned8 ? 1 : 0; }
 
-PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs,
-                                 const float* scales, const float* mins, int64_t bits, int64_t group) {
-  pagedllm::quant_gemm_any(x, y, m, n, k, qs, scales, mins, bits, group);
+PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
+                                 const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                 int64_t group, int64_t zero) {
+  pagedllm::quant_gemm_any(x, y, m, n, k, ldy, qs, scales, mins, bits, group, zero);
 }
-PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, const uint8_t* qs,
-                                  const float* scales, const float* mins, int64_t bits, int64_t group) {
-  pagedllm::quant_gemm_any(x, y, m, n, k, qs, scales, mins, bits, group);
+PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
+                                  const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                  int64_t group, int64_t zero) {
+  pagedllm::quant_gemm_any(x, y, m, n, k, ldy, qs, scales, mins, bits, group, zero);
 }
+// Rows `ids` (int64 [count]) of the weight as floats, to `out` [count, k]; with ids null, the
+// whole weight transposed to out [k, count] (count >= n: the row stride, for a fused projection's
+// parts side by side).
 PAGEDLLM_API void dequantize_rows_f32(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                      int64_t group, int64_t n, int64_t k, const int64_t* ids, int64_t count,
-                                      float* out) {
-  pagedllm::dequantize_rows(qs, scales, mins, bits, group, n, k, ids, count, out);
+                                      int64_t group, int64_t zero, int64_t n, int64_t k, const int64_t* ids,
+                                      int64_t count, float* out) {
+  pagedllm::dequantize_any(qs, scales, mins, bits, group, zero, n, k, ids, count, out);
 }
 PAGEDLLM_API void dequantize_rows_bf16(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                       int64_t group, int64_t n, int64_t k, const int64_t* ids, int64_t count,
-                                       bf16* out) {
-  pagedllm::dequantize_rows(qs, scales, mins, bits, group, n, k, ids, count, out);
+                                       int64_t group, int64_t zero, int64_t n, int64_t k, const int64_t* ids,
+                                       int64_t count, bf16* out) {
+  pagedllm::dequantize_any(qs, scales, mins, bits, group, zero, n, k, ids, count, out);
 }
