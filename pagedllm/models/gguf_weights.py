@@ -104,6 +104,8 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, int, np.nda
 def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight:
     """A GGUF tensor's raw bytes (`GGUFReader` tensor data) of type `kind`, [rows, cols] in the
     Hugging Face orientation, as a QuantizedWeight."""
+    if kind not in _BLOCK_SHAPES:
+        raise ValueError(f"GGUF type {kind} has no native kernel (native types: {', '.join(NATIVE_TYPES)})")
     block_bytes, block_values = _BLOCK_SHAPES[kind]
     if cols % block_values:
         raise ValueError(f"a {kind} tensor's rows must hold whole blocks of {block_values}, got {cols}")
