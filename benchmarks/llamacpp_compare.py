@@ -1,24 +1,26 @@
-"""One request, decoded token by token: pagedllm beside llama.cpp on the same GGUF file.
+"""pagedllm beside llama.cpp on the same GGUF file: one request token by token, and batches.
 
     pip install llama-cpp-python   # builds llama.cpp from source for this CPU (~10 min)
-    python benchmarks/llamacpp_compare.py --repeats 3
+    python benchmarks/llamacpp_compare.py --scenario one-128 one-1024 batch-8 batch-32 --repeats 3
 
-Both engines read the bundled model's GGUF file: llama.cpp (through
-llama-cpp-python) computes on its quantized blocks directly, pagedllm
-dequantizes them at load time and computes in `--dtype` (`auto`: bfloat16 where
-the CPU has AVX512-BF16, else float32).  So llama.cpp reads fewer weight bytes
-per token; the comparison is what a user gets from each engine on that file.
-The request is the first of `long-output-64` (a 62-token prompt, 322 tokens
-out), greedy, EOS ignored, one at a time.  llama.cpp runs with its defaults
-plus the thread count its docs recommend (one per physical core, here every
-core).  Each engine is timed per token: time to first token (the prompt), then
-the mean and median gap between tokens; output tok/s is tokens over the whole
-wall time, as `vllm_compare.py --num-requests 1` reports it.  The two token
-streams are compared too (how many leading tokens agree), to show both run the
-same model.  Each round starts both engines afresh, each decodes the request once untimed
-(warm-up) and once timed; rounds alternate which engine goes first, and the JSON reports the
-median with min and max of each figure, the per-round ratio, the machine and both versions.
-Results go to bench-results/ (ignored by git) unless --output says otherwise.
+Engines, all reading the bundled model's GGUF file:
+- `native`: pagedllm with weights=native, computing on the file's quantized blocks;
+- `dequantized`: pagedllm with weights=dequantized (the file dequantized to --dtype at load);
+- `llama_cpp`: llama.cpp through llama-cpp-python, with its defaults plus the thread count its
+  docs recommend (one per physical core, here every core).
+Scenarios:
+- `one-128`, `one-1024`: one request, a prompt of 128 or 1,024 tokens (the random-128 workload's
+  ids, concatenated), 256 tokens out, timed token by token: time to first token, then the mean
+  gap between tokens (decode tok/s).  llama.cpp runs it through `Llama.generate`.
+- `batch-8`, `batch-32`: the first 8 or 32 requests of sharegpt-like-160, all at once; output
+  tok/s over the wall time.  llama.cpp runs them through its batch API as its server does with
+  several slots: one context with a sequence per request and a unified KV cache, prompts packed
+  into batches of n_batch (2,048) tokens, then one token per unfinished sequence per
+  `llama_decode`.
+Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
+(warm-up) and once timed; rounds rotate which engine goes first, and the JSON reports the median
+with min and max, the ratios per round, the machine and the versions.  The token streams are
+compared too (leading tokens that agree).  Results go to bench-results/ unless --output says.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from pagedllm.benchmarking.compare import alternate, format_spread, machine, package_version, paired_ratio, summarize
 from pagedllm.benchmarking.datasets import load_workload
 from pagedllm.benchmarking.throughput import print_result
@@ -40,6 +44,23 @@ from pagedllm.execution.device import resolve_dtype
 from pagedllm.layers.cpu_kernels import cpu_summary
 from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 
+SCENARIOS = ("one-128", "one-1024", "batch-8", "batch-32")
+ONE_REQUEST_OUTPUT = 256
+LLAMA_CPP_N_BATCH = 2048  # llama-server's default logical batch
+
+
+def requests_for(scenario: str) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) of each request of a scenario."""
+    if scenario.startswith("one-"):
+        length = int(scenario.removeprefix("one-"))
+        ids = [t for r in load_workload("benchmarks/workloads/random-128.jsonl", 128) for t in r["prompt_token_ids"]]
+        return [(ids[:length], ONE_REQUEST_OUTPUT)]
+    count = int(scenario.removeprefix("batch-"))
+    return [
+        (r["prompt_token_ids"], r["max_tokens"])
+        for r in load_workload("benchmarks/workloads/sharegpt-like-160.jsonl", count)
+    ]
+
 
 def token_figures(stamps: list[float], start: float, tokens: list[int]) -> dict:
     """Per-token figures from the time each token arrived (`stamps`, after `start`)."""
@@ -49,99 +70,196 @@ def token_figures(stamps: list[float], start: float, tokens: list[int]) -> dict:
         "output_tokens": len(tokens),
         "wall_s": round(wall, 3),
         "ttft_s": round(stamps[0] - start, 4),
-        "itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 2),
         "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
         "decode_tokens_per_s": round(1 / statistics.fmean(gaps), 2),
         "output_tokens_per_s": round(len(tokens) / wall, 2),
     }
 
 
-def run_pagedllm(config: EngineConfig, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]]:
+def run_pagedllm(config: EngineConfig, requests: list[tuple[list[int], int]]) -> tuple[dict, list[list[int]]]:
     begin = time.perf_counter()
     with LLMEngine(config) as engine:
         startup = time.perf_counter() - begin
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(prompt, params, request_id="warm-up")  # first-call costs out of the timing
-        engine.wait_all()
-        stamps: list[float] = []
-        tokens: list[int] = []
-        start = time.perf_counter()
-        engine.add_request(prompt, params, request_id="timed")
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                new = list(output.outputs[0].token_ids)[len(tokens) :]
-                stamps += [time.perf_counter()] * len(new)
-                tokens += new
-    return {"startup_s": round(startup, 2)} | token_figures(stamps, start, tokens), tokens
+        for round_ in ("warm-up", "timed"):
+            streams: dict[str, list[int]] = {}
+            stamps: list[float] = []
+            start = time.perf_counter()
+            for i, (prompt, max_tokens) in enumerate(requests):
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                engine.add_request(prompt, params, request_id=f"{round_}-{i}")
+                streams[f"{round_}-{i}"] = []
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    new = list(output.outputs[0].token_ids)[len(streams[output.request_id]) :]
+                    stamps += [time.perf_counter()] * len(new)
+                    streams[output.request_id] += new
+        weights = engine.rank_memory[0].weight_bytes
+    tokens = list(streams.values())
+    figures = {"startup_s": round(startup, 2), "weight_mib": round(weights / 2**20, 1)}
+    return figures | summary(stamps, start, tokens), tokens
 
 
-def run_llamacpp(path: str, prompt: list[int], max_tokens: int, threads: int) -> tuple[dict, list[int]]:
-    from llama_cpp import Llama
+def summary(stamps: list[float], start: float, tokens: list[list[int]]) -> dict:
+    if len(tokens) == 1:
+        return token_figures(stamps, start, tokens[0])
+    wall = max(stamps) - start
+    total = sum(len(t) for t in tokens)
+    return {"output_tokens": total, "wall_s": round(wall, 3), "output_tokens_per_s": round(total / wall, 2)}
+
+
+def run_llamacpp(path: str, requests: list[tuple[list[int], int]], threads: int) -> tuple[dict, list[list[int]]]:
+    import llama_cpp
 
     begin = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=len(prompt) + max_tokens + 8, n_threads=threads, seed=0, verbose=False)
+    if len(requests) == 1:
+        prompt, max_tokens = requests[0]
+        llm = llama_cpp.Llama(path, n_ctx=len(prompt) + max_tokens + 8, n_threads=threads, seed=0, verbose=False)
+        startup = time.perf_counter() - begin
+        for _ in range(2):  # a warm-up run, then the timed one
+            stamps: list[float] = []
+            tokens: list[int] = []
+            start = time.perf_counter()
+            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not special here
+                stamps.append(time.perf_counter())
+                tokens.append(int(token))
+                if len(tokens) == max_tokens:
+                    break
+        llm.close()
+        return {"startup_s": round(startup, 2), "threads": threads} | token_figures(stamps, start, tokens), [tokens]
+    batched = LlamaCppBatch(path, requests, threads)
     startup = time.perf_counter() - begin
-    results = []
-    for _ in range(2):  # a warm-up run, then the timed one
-        llm.reset()
-        stamps: list[float] = []
-        tokens: list[int] = []
+    for _ in range(2):
         start = time.perf_counter()
-        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not special here
-            stamps.append(time.perf_counter())
-            tokens.append(int(token))
-            if len(tokens) == max_tokens:
-                break
-        results.append((token_figures(stamps, start, tokens), tokens))
-    figures, tokens = results[-1]
-    return {"startup_s": round(startup, 2), "threads": threads} | figures, tokens
+        tokens, stamps = batched.run()
+    batched.close()
+    return {"startup_s": round(startup, 2), "threads": threads} | summary(stamps, start, tokens), tokens
 
 
-FIGURES = ("decode_tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_median_ms", "startup_s")
+class LlamaCppBatch:
+    """Greedy decoding of several sequences at once through llama.cpp's C API (as llama-server
+    runs its slots): one context, a sequence id per request, a unified KV cache."""
+
+    def __init__(self, path: str, requests: list[tuple[list[int], int]], threads: int) -> None:
+        import llama_cpp as lc
+
+        self.lc, self.requests = lc, requests
+        lc.llama_backend_init()
+        self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        params = lc.llama_context_default_params()
+        params.n_ctx = sum(len(p) + m for p, m in requests) + 16
+        params.n_batch = LLAMA_CPP_N_BATCH
+        params.n_seq_max = len(requests)
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(max(LLAMA_CPP_N_BATCH, len(requests)), 0, 1)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence, wants logits)."""
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, i: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))))
+
+    def run(self) -> tuple[list[list[int]], list[float]]:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        tokens: list[list[int]] = [[] for _ in self.requests]
+        stamps: list[float] = []
+        pending: list[tuple[int, int, int, bool]] = []  # prompts, packed into batches of n_batch
+        for seq, (prompt, _) in enumerate(self.requests):
+            pending += [(t, pos, seq, pos == len(prompt) - 1) for pos, t in enumerate(prompt)]
+        for first in range(0, len(pending), LLAMA_CPP_N_BATCH):
+            chunk = pending[first : first + LLAMA_CPP_N_BATCH]
+            self._decode(chunk)
+            for i, (_, _, seq, last) in enumerate(chunk):
+                if last:
+                    tokens[seq].append(self._argmax(i))
+                    stamps.append(time.perf_counter())
+        while True:
+            live = [s for s, (_, max_tokens) in enumerate(self.requests) if len(tokens[s]) < max_tokens]
+            if not live:
+                return tokens, stamps
+            self._decode([(tokens[s][-1], len(self.requests[s][0]) + len(tokens[s]) - 1, s, True) for s in live])
+            for i, s in enumerate(live):
+                tokens[s].append(self._argmax(i))
+            stamps += [time.perf_counter()] * len(live)
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+FIGURES = ("decode_tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_median_ms", "startup_s", "weight_mib")
+
+
+def leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of tokens before each stream's first difference."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b))
+    return round(same / max(1, sum(len(s) for s in a)), 4)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
-    parser.add_argument("--workload", default="benchmarks/workloads/long-output-64.jsonl")
+    parser.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--engines", nargs="+", default=["native", "dequantized", "llama_cpp"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: every core)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts both engines afresh")
-    parser.add_argument("--output", default="bench-results/llamacpp-compare.json")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts every engine afresh")
+    parser.add_argument("--output", default=None, help="default: bench-results/llamacpp-<model>.json")
     args = parser.parse_args()
-    request = load_workload(args.workload, 1)[0]
-    prompt, max_tokens = request["prompt_token_ids"], request["max_tokens"]
     gguf = resolve_model_path(args.model)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
-    config = EngineConfig(model=args.model, dtype=dtype, max_model_len=2048, weights=args.weights)
-    streams: dict[str, list[int]] = {}
-
-    def ours() -> dict:
-        figures, streams["pagedllm"] = run_pagedllm(config, prompt, max_tokens)
-        return figures
-
-    def theirs() -> dict:
-        figures, streams["llama_cpp"] = run_llamacpp(str(gguf), prompt, max_tokens, args.threads)
-        return figures
-
-    print(cpu_summary(), dtype, flush=True)
-    results = alternate({"pagedllm": ours, "llama_cpp": theirs}, args.repeats, log=lambda x: print(x, flush=True))
-    report: dict = {"model": args.model, "gguf": gguf.name, "prompt_tokens": len(prompt), "dtype": dtype}
-    report |= {"repeats": args.repeats, "machine": machine()}
-    report["settings"] = {
-        "pagedllm": dataclasses.asdict(config),
-        "llama_cpp": {"version": package_version("llama_cpp_python"), "n_threads": args.threads, "greedy": True},
+    configs = {
+        w: EngineConfig(model=args.model, dtype=dtype, max_model_len=4096, weights=w, kv_cache_memory="2GiB")
+        for w in ("native", "dequantized")
     }
-    report["pagedllm"] = summarize(results["pagedllm"], FIGURES)
-    report["llama_cpp"] = summarize(results["llama_cpp"], FIGURES)
-    a, b = streams["pagedllm"], streams["llama_cpp"]
-    report["leading_tokens_agreeing"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    for key in ("decode_tokens_per_s", "output_tokens_per_s"):
-        report[f"pagedllm_over_llama_cpp_{key}"] = paired_ratio(results["pagedllm"], results["llama_cpp"], key)
-    report["runs"] = results
-    print_result(report, args.output)
-    print(format_spread("pagedllm / llama.cpp decode tok/s", report["pagedllm_over_llama_cpp_decode_tokens_per_s"]))
+    report: dict = {"model": args.model, "gguf": gguf.name, "dtype": dtype, "repeats": args.repeats}
+    report |= {"machine": machine(), "cpu": cpu_summary()}
+    report["settings"] = {w: dataclasses.asdict(c) for w, c in configs.items()}
+    report["settings"]["llama_cpp"] = {
+        "version": package_version("llama_cpp_python"), "n_threads": args.threads, "n_batch": LLAMA_CPP_N_BATCH,
+    }  # fmt: skip
+    print(cpu_summary(), dtype, flush=True)
+    for scenario in args.scenario:
+        requests = requests_for(scenario)
+        streams: dict[str, list[list[int]]] = {}
+
+        def engine_run(name: str, requests=requests, streams=streams):
+            def run() -> dict:
+                if name == "llama_cpp":
+                    figures, streams[name] = run_llamacpp(str(gguf), requests, args.threads)
+                else:
+                    figures, streams[name] = run_pagedllm(configs[name], requests)
+                return figures
+
+            return run
+
+        runs = alternate({name: engine_run(name) for name in args.engines}, args.repeats, log=print)
+        key = "decode_tokens_per_s" if len(requests) == 1 else "output_tokens_per_s"
+        entry: dict = {"requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests)}
+        entry |= {name: summarize(runs[name], FIGURES) for name in args.engines}
+        for ours in ("native", "dequantized"):
+            for theirs in args.engines:
+                if ours in runs and theirs != ours and not (ours == "dequantized" and theirs == "native"):
+                    entry[f"{ours}_over_{theirs}_{key}"] = paired_ratio(runs[ours], runs[theirs], key)
+                    entry[f"{ours}_vs_{theirs}_leading_tokens_agreeing"] = leading_agreement(
+                        streams[ours], streams[theirs]
+                    )
+        entry["runs"] = runs
+        report[scenario] = entry
+        for name, figures in entry.items():
+            if name.endswith(key):
+                print(format_spread(f"{scenario} {name}", figures), flush=True)
+    print_result(report, args.output or f"bench-results/llamacpp-{args.model}.json")
     return 0
 
 

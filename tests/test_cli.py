@@ -16,7 +16,9 @@ def test_generate_runs_as_a_console_command():
             "-m",
             "pagedllm.cli",
             "generate",
-            "What is the capital of France?",
+            # (the native path's first token for "What is the capital of France?" is a near tie,
+            # 0.08 logits between "The" and "L'", as in llama.cpp on this file; this one is not)
+            "Name the capital of France.",
             "--max-tokens",
             "12",
             "--dtype",
@@ -99,7 +101,7 @@ def test_cli_errors_are_clear(argv, message, capsys):
 def test_chat_streams_replies_and_keeps_the_conversation(monkeypatch, capsys):
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name the capital of France.\nAnd of Italy?\n\n"))
     code = main(
         ["chat", "--max-tokens", "20", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
     )
@@ -186,7 +188,7 @@ def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(monkeypatch, capsys
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step)
-    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a long story.\nWhat is the capital of France?\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a long story.\nName the capital of France.\n"))
     code = main(
         ["chat", "--max-tokens", "20", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--log-level", "WARNING"]
     )

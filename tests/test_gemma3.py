@@ -25,7 +25,8 @@ def gemma():
     from transformers import AutoModelForCausalLM
 
     release_shared_engines()  # this test alone peaks near 18 GB (two float32 Gemmas, 262k-wide logits)
-    llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB")
+    # The GGUF dequantized, as transformers loads it (the native path: tests/test_quantized.py).
+    llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB", weights="dequantized")
     path = llm.engine.model_path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     return llm, hf

@@ -106,8 +106,22 @@ def test_a_fused_projection_of_mixed_types_writes_each_parts_columns():
     full = torch.cat([w.dequantize() for w in weights])
     x = torch.randn(3, 256)
     assert (linear(x) - quantized_rows(x) @ full.T).abs().max() <= 2e-5 * full.abs().max() * 256
-    big = torch.randn(9, 256)  # past max_rows: the float GEMM on the dequantized weight
-    torch.testing.assert_close(linear(big), big @ full.T, rtol=1e-4, atol=1e-4)
+    # Past max_rows: a float GEMM on the dequantized weight, with the activations rounded as the
+    # integer kernels round them, so each row comes out as it would alone (up to float rounding).
+    big = torch.randn(9, 256)
+    torch.testing.assert_close(linear(big), quantized_rows(big) @ full.T, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        linear(big)[:3], torch.cat([linear(big[i : i + 1]) for i in range(3)]), atol=1e-3, rtol=1e-4
+    )
+
+
+@needs_kernels
+def test_the_integer_path_gives_each_row_what_it_gives_that_row_alone():
+    weight = repack(random_tensor("Q4_K", 100, 512, seed=3), "Q4_K", 100, 512)
+    linear = QuantizedLinear([pack(weight, KERNELS.quant_panel_width, KERNELS.quant_unsigned8)], KERNELS, 64)
+    x = torch.randn(11, 512)
+    together = linear(x)
+    assert all(torch.equal(together[i], linear(x[i : i + 1])[0]) for i in range(11))  # bit for bit
 
 
 def test_quantized_weight_checks_its_shapes():
@@ -202,6 +216,24 @@ def test_gemma3_native_runs_its_mixed_types():
         assert [p.source for p in model.layers[0].linears["qkv_proj"].parts] == ["Q5_0", "Q8_0"]
     finally:
         llm.engine.shutdown()
+
+
+@needs_kernels
+def test_the_server_runs_the_native_path_by_default():
+    import openai
+
+    from pagedllm.testing.servers import API_KEY, MODEL, serve_subprocess
+
+    with serve_subprocess("--dtype", "float32", "--kv-cache-memory", "128MiB") as server:
+        client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Name the capital of France."}]
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert "Paris" in text
+        stats = server.wait_until(lambda s: s["running"] == 0 and s["kv"]["used_blocks"] == 0)
+        assert stats["weights"] == "native"
 
 
 def test_native_weights_refuse_what_they_cannot_run(tmp_path):

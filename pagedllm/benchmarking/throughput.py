@@ -94,6 +94,8 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         "step_message_bytes": engine.runner.step_message_bytes - message_bytes_before,
         "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
+        "weights": engine.weights,
+        "weights_summary": engine.weights_summary,
         **prefix_cache_stats(engine, prefix_before, evictions_before),
         **engine.memory.summary(engine.scheduler),
     }

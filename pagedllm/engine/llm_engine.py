@@ -94,6 +94,8 @@ class LLMEngine:
         self.device = built.device
         self.model_config = model_config
         self.linear_backend = built.linear_backend
+        self.weights = built.weights  # native (a GGUF's quantized blocks) or dequantized
+        self.weights_summary = built.weights_summary  # what each tensor type runs as, the resident bytes
         self.max_model_len = built.max_model_len
         self.model_path = built.path  # the resolved file or directory the weights came from
         self.tokenizer = Tokenizer(built.path)

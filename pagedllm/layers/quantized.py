@@ -12,7 +12,9 @@ quantize the activations to signed bytes per block of 32 (as llama.cpp does) and
 weight's bytes once per tile of rows: a decode step reads 3-8x fewer weight bytes than on
 float weights.  Steps of more rows (prompt chunks) dequantize the weight into a scratch
 matrix of the model's dtype and run a float GEMM on it, which is faster there than integer
-dot products (`python benchmarks/quantized_linear.py` measures both).  A fused projection
+dot products (`python benchmarks/quantized_linear.py` measures both); the activations are
+rounded to the same 8-bit steps first, so that the two paths compute the same products and a
+request's output does not depend on how many rows share its step.  A fused projection
 (q, k, v) whose parts came in different types keeps each part in its own layout and writes
 its columns of the one output.
 """
@@ -191,9 +193,11 @@ class QuantizedLinear:
         self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return torch.matmul(x, self.dense_transposed(x.dtype))
         x = x.contiguous()
+        if x.shape[0] > self.max_rows:
+            # The activations rounded as the integer kernels round them: a request's tokens come
+            # out the same whether its rows share a step with many others or not.
+            return torch.matmul(self.kernels.quant_round_trip(x), self.dense_transposed(x.dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         col = 0
         for part in self.parts:

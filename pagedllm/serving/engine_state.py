@@ -34,6 +34,8 @@ def engine_state(engine: LLMEngine) -> dict:
         "layer_groups": engine.layer_groups.describe(),
         "cow_copies": scheduler.num_cow_copies,
         # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
+        "weights": engine.weights,
+        "weights_summary": engine.weights_summary,
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
         "step_message_bytes": engine.runner.step_message_bytes,
