@@ -190,6 +190,17 @@ def test_smollm2_native_agrees_with_its_dequantized_weights(make_llm, caplog):
         # The hash-table answer is one every path agrees on.
         out = native.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
         assert out.text.startswith("A hash table is a data structure"), out.text
+        # Decode steps run all layers in one C++ call (on the quantized kernels), bit for bit as
+        # the layer loop runs them.
+        model = native.engine.runner.model
+        fused, params = model.fused_decode, SamplingParams(temperature=0.0, max_tokens=20)
+        assert fused is not None
+        with_fused = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
+        model.fused_decode = None
+        try:
+            assert [o.outputs[0].token_ids for o in native.generate(prompts, params)] == with_fused
+        finally:
+            model.fused_decode = fused
     finally:
         native.engine.shutdown()
 

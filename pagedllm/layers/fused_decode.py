@@ -8,7 +8,8 @@ same kernels in the same order from C++, so its output is bit-identical to the l
 takes only the steps it can run exactly as the loop would:
 
 - every request decodes one token (no prompt chunk in the step), at most `max_rows` of them:
-  the rows up to which every projection goes to `packed_gemm` (csrc/small_gemm.cpp);
+  the rows up to which every projection goes to `packed_gemm` (csrc/small_gemm.cpp), or for
+  weights kept quantized (a GGUF's, weights=native) to `quant_gemm` (csrc/quant_gemm.cpp);
 - plain llama layers (no biases, no q/k norm), one block table for all layers, the C++
   attention and elementwise kernels, no tensor parallelism (the model checks those).
 
@@ -27,11 +28,48 @@ import torch
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import CpuKernels
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized import QuantizedLinear
+
+MAX_PARTS = 4  # csrc/decode_layers.cpp's kMaxParts
+
+
+class _QuantPart(ctypes.Structure):  # csrc/decode_layers.cpp's QuantPart
+    _fields_ = [(name, ctypes.c_void_p) for name in ("qs", "scales", "mins")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("rows", "bits", "group", "zero")]
+
+
+class _Projection(ctypes.Structure):  # csrc/decode_layers.cpp's Projection
+    _fields_ = [("packed", ctypes.c_void_p), ("num_parts", ctypes.c_int64), ("parts", _QuantPart * MAX_PARTS)]
 
 
 class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")]
     _fields_ += [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+def fusable(linear: Linear | QuantizedLinear) -> bool:
+    """Whether the fused step can run this projection: packed for packed_gemm, or quantized in
+    at most MAX_PARTS parts."""
+    if isinstance(linear, QuantizedLinear):
+        return len(linear.parts) <= MAX_PARTS
+    return linear.small_weight is not None
+
+
+def _projection(linear: Linear | QuantizedLinear) -> _Projection:
+    p = _Projection()
+    if isinstance(linear, QuantizedLinear):
+        p.packed, p.num_parts = None, len(linear.parts)
+        for entry, w in zip(p.parts, linear.parts):
+            entry.qs, entry.scales = w.qs.data_ptr(), w.scales.data_ptr()
+            entry.mins = None if w.mins is None else w.mins.data_ptr()
+            entry.rows, entry.bits, entry.group, entry.zero = w.rows, w.bits, w.group, w.zero
+    else:
+        p.packed, p.num_parts = linear.small_weight.data_ptr(), 0
+    return p
+
+
+def _max_rows(linear: Linear | QuantizedLinear) -> int:
+    return linear.max_rows if isinstance(linear, QuantizedLinear) else linear.small_max_rows
 
 
 class _Shape(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeShape
@@ -44,11 +82,11 @@ class FusedLayer:
     """One llama layer's weights as the fused step reads them."""
 
     input_norm: torch.Tensor
-    qkv_proj: Linear
-    o_proj: Linear
+    qkv_proj: Linear | QuantizedLinear
+    o_proj: Linear | QuantizedLinear
     post_norm: torch.Tensor
-    gate_up_proj: Linear
-    down_proj: Linear
+    gate_up_proj: Linear | QuantizedLinear
+    down_proj: Linear | QuantizedLinear
     window: int
 
 
@@ -75,12 +113,17 @@ class FusedDecode:
         linears = [
             lin for layer in layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
-        if not layers or any(lin.small_weight is None for lin in linears):
-            raise ValueError("the fused decode step needs every projection packed for packed_gemm")
+        if not layers or not all(fusable(lin) for lin in linears):
+            raise ValueError("the fused decode step needs every projection packed for packed_gemm, or quantized")
         self.kernels, self.layers, self.final_norm = kernels, layers, final_norm
         self.cos, self.sin = cos, sin
         self.dtype = final_norm.dtype
-        self.max_rows = min(lin.small_max_rows for lin in linears)
+        self.max_rows = min(_max_rows(lin) for lin in linears)
+        # The projections' descriptors, kept alive here: the layer table points at them.
+        self._projections = [
+            [_projection(lin) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            for layer in layers
+        ]
         hidden, inter = final_norm.shape[0], layers[0].gate_up_proj.out_features // 2
         self._shape = _Shape(hidden, heads, kv_heads, head_dim, inter, 0, eps, 1.0 / math.sqrt(head_dim))
         self._row = kernels.decode_layers_workspace(self._shape)
@@ -102,13 +145,10 @@ class FusedDecode:
             return
         if len(kv_caches) != len(self.layers) or any(c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):
             raise ValueError(f"the fused decode step needs {len(self.layers)} contiguous {self.dtype} KV caches")
-        for entry, layer, cache in zip(self._table, self.layers, kv_caches):
+        for entry, layer, projections, cache in zip(self._table, self.layers, self._projections, kv_caches):
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            entry.qkv, entry.o = layer.qkv_proj.small_weight.data_ptr(), layer.o_proj.small_weight.data_ptr()
-            entry.gate_up, entry.down = (
-                layer.gate_up_proj.small_weight.data_ptr(),
-                layer.down_proj.small_weight.data_ptr(),
-            )
+            qkv, o, gate_up, down = (ctypes.addressof(p) for p in projections)
+            entry.qkv, entry.o, entry.gate_up, entry.down = qkv, o, gate_up, down
             entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             entry.window = layer.window
         self._shape.block = kv_caches[0].shape[2]

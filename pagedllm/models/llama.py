@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import CpuKernels
-from pagedllm.layers.fused_decode import FusedDecode, FusedLayer
+from pagedllm.layers.fused_decode import FusedDecode, FusedLayer, fusable
 from pagedllm.layers.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized import PackedWeight, QuantizedLinear, QuantizedWeight, pack, quantized_embedding
@@ -268,15 +268,15 @@ class LlamaModel(nn.Module):
     def build_fused_decode(self, kernels: CpuKernels) -> FusedDecode | None:
         """This model's decode-only step in one call to `kernels` (pagedllm/layers/fused_decode.py),
         or None where that call cannot run its layers exactly as the loop does: biases, q/k norm,
-        a subclass's own layer math, tensor parallelism, or a projection not packed for the
-        small-batch kernels.  The caller decides whether the C++ path is wanted at all."""
+        a subclass's own layer math, tensor parallelism, or a projection neither packed for the
+        small-batch kernels nor quantized.  The caller decides whether the C++ path is wanted at all."""
         c = self.config
         if type(self) is not LlamaModel or c.attention_bias or c.qk_norm or self.tp.size != 1:
             return None
         linears = [
             layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         ]
-        if any(linear.small_weight is None for linear in linears):
+        if not all(fusable(linear) for linear in linears):
             return None
         layers = [
             FusedLayer(

@@ -7,7 +7,8 @@
 // step's 16.4 (0.71x the time in one call), during which the other core waited; 0.92x the
 // time at 64 and 128 requests, with the row split below (benchmarks/fused_decode.py).
 // Only plain llama layers (no biases, no q/k norm), every projection packed for
-// packed_gemm, one KV cache per layer (pagedllm/execution/fused_decode.py checks).
+// packed_gemm or kept quantized for quant_gemm (a GGUF's blocks), one KV cache per layer
+// (pagedllm/layers/fused_decode.py checks).
 #include <omp.h>
 
 #include <cstdint>
@@ -17,14 +18,31 @@
 
 using pagedllm::bf16;
 
-// One layer's weights (projections packed by `pack_panels`) and its K and V caches.
+// A quantized weight's part of a projection's output columns (csrc/quant_gemm.cpp's layout).
+struct QuantPart {
+  const uint8_t* qs;
+  const float* scales;
+  const float* mins;
+  int64_t rows, bits, group, zero;
+};
+
+// One projection: a float weight packed by `pack_panels` (packed non-null), or quantized
+// parts side by side in its output.
+constexpr int64_t kMaxParts = 4;
+struct Projection {
+  const void* packed;
+  int64_t num_parts;
+  QuantPart parts[kMaxParts];
+};
+
+// One layer's weights and its K and V caches.
 struct DecodeLayer {
   const void* input_norm;
-  const void* qkv_proj;
-  const void* o_proj;
+  const Projection* qkv_proj;
+  const Projection* o_proj;
   const void* post_norm;
-  const void* gate_up_proj;
-  const void* down_proj;
+  const Projection* gate_up_proj;
+  const Projection* down_proj;
   void* k_cache;
   void* v_cache;
   int64_t window;  // sliding window (0: full attention)
@@ -43,6 +61,8 @@ struct DecodeShape {
                               int64_t, int64_t, int64_t, int64_t);                                                 \
   void silu_mul_##SUFFIX(const T*, T*, int64_t, int64_t);                                                          \
   void packed_gemm_##SUFFIX(const T*, const T*, T*, int64_t, int64_t, int64_t);                                    \
+  void quant_gemm_##SUFFIX(const T*, T*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,          \
+                           const float*, int64_t, int64_t, int64_t);                                               \
   void paged_decode_attention_##SUFFIX(const T*, const T*, const T*, T*, const int64_t*, const int64_t*,           \
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
                                        int64_t);                                                                   \
@@ -52,6 +72,7 @@ struct DecodeShape {
     static constexpr auto rope_write_kv = rope_write_kv_##SUFFIX;                                                  \
     static constexpr auto silu_mul = silu_mul_##SUFFIX;                                                            \
     static constexpr auto packed_gemm = packed_gemm_##SUFFIX;                                                      \
+    static constexpr auto quant_gemm = quant_gemm_##SUFFIX;                                                        \
     static constexpr auto decode_attention = paged_decode_attention_##SUFFIX;                                      \
   };
 
@@ -66,6 +87,19 @@ namespace {
 int64_t workspace_row(const DecodeShape& s) {
   const int64_t q = s.heads * s.head_dim, qkv = q + 2 * s.kv_heads * s.head_dim;
   return s.hidden + qkv + 2 * q + s.hidden + 3 * s.intermediate;
+}
+
+// y [m, n] = x [m, k] times the projection's weight, as pagedllm/layers/linear.py and
+// quantized.py call the kernels for a step of these rows.
+template <typename T, typename K>
+void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_t k) {
+  if (p->packed != nullptr) return K::packed_gemm(x, static_cast<const T*>(p->packed), y, m, n, k);
+  int64_t col = 0;
+  for (int64_t i = 0; i < p->num_parts; ++i) {
+    const QuantPart& q = p->parts[i];
+    K::quant_gemm(x, y + col, m, q.rows, k, n, q.qs, q.scales, q.mins, q.bits, q.group, q.zero);
+    col += q.rows;
+  }
 }
 
 // The layers for m rows, with the kernels' own parallel regions (each splits its work over
@@ -88,17 +122,17 @@ void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape
     const DecodeLayer& layer = layers[l];
     K::add_rms_norm(l == 0 ? nullptr : delta, residual, static_cast<const T*>(layer.input_norm), h, m, s.hidden,
                     s.eps);
-    K::packed_gemm(h, static_cast<const T*>(layer.qkv_proj), qkv, m, qkv_size, s.hidden);
+    project<T, K>(layer.qkv_proj, h, qkv, m, qkv_size, s.hidden);
     T* k_cache = static_cast<T*>(layer.k_cache);
     T* v_cache = static_cast<T*>(layer.v_cache);
     K::rope_write_kv(qkv, q, k_cache, v_cache, positions, slots, cos, sin, m, s.heads, s.kv_heads, s.head_dim);
     K::decode_attention(q, k_cache, v_cache, attn, rows, seq_lens, tables, m, max_blocks, s.block_size, s.kv_heads,
                         group, s.scale, layer.window, s.head_dim);
-    K::packed_gemm(attn, static_cast<const T*>(layer.o_proj), delta, m, s.hidden, q_size);
+    project<T, K>(layer.o_proj, attn, delta, m, s.hidden, q_size);
     K::add_rms_norm(delta, residual, static_cast<const T*>(layer.post_norm), h, m, s.hidden, s.eps);
-    K::packed_gemm(h, static_cast<const T*>(layer.gate_up_proj), gate_up, m, 2 * s.intermediate, s.hidden);
+    project<T, K>(layer.gate_up_proj, h, gate_up, m, 2 * s.intermediate, s.hidden);
     K::silu_mul(gate_up, act, m, s.intermediate);
-    K::packed_gemm(act, static_cast<const T*>(layer.down_proj), delta, m, s.hidden, s.intermediate);
+    project<T, K>(layer.down_proj, act, delta, m, s.hidden, s.intermediate);
   }
   K::add_rms_norm(num_layers > 0 ? delta : nullptr, residual, final_norm, out, m, s.hidden, s.eps);
 }
