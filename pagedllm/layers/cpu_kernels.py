@@ -62,6 +62,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "rope_write_kv": ([_P] * 8 + [_I] * 4, _F32 + _BF16),
     "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
+    "gemma_norm": ([_P] * 3 + [_I] * 4 + [_F], _F32 + _BF16),
     # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
@@ -286,6 +287,32 @@ class CpuKernels:
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up for rows [gate | up] (Gemma's GeGLU)."""
         return self._gated("gelu_tanh_mul", gate_up)
+
+    def gemma_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, start: int = 0,
+        width: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Gemma's RMSNorm (csrc/elementwise.cpp) of columns [start, start + width) of x [rows, cols]
+        (default: all), per group of weight.numel() values, weight float32 (1 + w); into `out`
+        (x itself for in place; default: a new [rows, width] tensor), which is returned."""
+        _check(x, weight)
+        rows, cols = x.shape
+        width = cols - start if width is None else width
+        dim = weight.numel()
+        if weight.dtype != torch.float32 or width % dim or start + width > cols:
+            raise ValueError(f"gemma_norm: columns {start}+{width} of {cols} in groups of {dim} ({weight.dtype})")
+        if out is None:
+            out = torch.empty(rows, width, dtype=x.dtype)
+            target, stride_ok = _ptr(out), width == cols
+            if not stride_ok:
+                raise ValueError("gemma_norm into a new tensor takes whole rows")
+        else:
+            if out.data_ptr() != x.data_ptr():
+                raise ValueError("gemma_norm with `out` runs in place (out must be x)")
+            target = _ptr(out) + start * x.element_size()
+        source = _ptr(x) + start * x.element_size()
+        self._fn("gemma_norm", x.dtype)(source, _ptr(weight), target, rows, width, dim, cols, eps)
+        return out
 
     def _gated(self, name: str, gate_up: torch.Tensor) -> torch.Tensor:
         _check(gate_up)

@@ -45,6 +45,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalized in float32, times (1 + w) in float32, then rounded."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+
+
 class TorchOps:
     name = "torch"
     kernels = None  # no C++ kernels (CppOps has them: the sampler's argmax uses them too)
@@ -84,6 +90,15 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def gemma_norm(self, x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+        return gemma_rms_norm(x, weight_plus_one, eps)
+
+    def gemma_norm_heads(self, qkv: torch.Tensor, start: int, width: int, weight: torch.Tensor, eps: float) -> None:
+        """In place: Gemma's RMSNorm over each head (weight.numel() values) of qkv's columns
+        [start, start + width)."""
+        heads = qkv[:, start : start + width].unflatten(-1, (-1, weight.numel()))
+        heads.copy_(gemma_rms_norm(heads, weight, eps))
+
 
 class CppOps:
     name = "cpp"
@@ -113,6 +128,12 @@ class CppOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.gelu_tanh_mul(gate_up)
+
+    def gemma_norm(self, x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.gemma_norm(x.contiguous(), weight_plus_one, eps)
+
+    def gemma_norm_heads(self, qkv: torch.Tensor, start: int, width: int, weight: torch.Tensor, eps: float) -> None:
+        self.kernels.gemma_norm(qkv, weight, eps, out=qkv, start=start, width=width)
 
 
 LayerOps = TorchOps | CppOps

@@ -23,12 +23,6 @@ from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, Quantiz
 from pagedllm.models.sharding import ShardLayout
 
 
-def gemma_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: normalized in float32, times (1 + w) in float32, then rounded."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
-
-
 class Gemma3DecoderLayer(DecoderLayer):
     """A llama layer's projections plus Gemma's extra norms; every norm weight is kept as
     (1 + w) in float32."""
@@ -51,13 +45,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         scalar = config.query_pre_attn_scalar or d
         self.q_scale = (d / scalar) ** 0.5  # the kernels scale by d ** -0.5; Gemma by scalar ** -0.5
 
-    def normalize_heads(self, qkv: torch.Tensor) -> None:
+    def normalize_heads(self, qkv: torch.Tensor, ops: LayerOps) -> None:
         q_size, kv_size, _ = self.split
-        d = self.head_dim
-        q = qkv[:, :q_size].unflatten(-1, (-1, d))
-        k = qkv[:, q_size : q_size + kv_size].unflatten(-1, (-1, d))
-        q.copy_(gemma_rms_norm(q, self.q_norm, self.eps))
-        k.copy_(gemma_rms_norm(k, self.k_norm, self.eps))
+        ops.gemma_norm_heads(qkv, 0, q_size, self.q_norm, self.eps)
+        ops.gemma_norm_heads(qkv, q_size, kv_size, self.k_norm, self.eps)
 
     def forward(
         self,
@@ -70,19 +61,19 @@ class Gemma3DecoderLayer(DecoderLayer):
         attention: AttentionFn,
         ops: LayerOps,
     ) -> torch.Tensor:
-        linears, eps = self.linears, self.eps
+        linears, eps, norm = self.linears, self.eps, ops.gemma_norm
         if delta is not None:
             residual.add_(delta)
-        qkv = linears["qkv_proj"](gemma_rms_norm(residual, self.input_norm, eps))
-        self.normalize_heads(qkv)
+        qkv = linears["qkv_proj"](norm(residual, self.input_norm, eps))
+        self.normalize_heads(qkv, ops)
         q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
-        residual.add_(gemma_rms_norm(attn, self.post_norm, eps))
-        gate_up = linears["gate_up_proj"](gemma_rms_norm(residual, self.pre_ffn_norm, eps))
+        residual.add_(norm(attn, self.post_norm, eps))
+        gate_up = linears["gate_up_proj"](norm(residual, self.pre_ffn_norm, eps))
         mlp = self.tp.all_reduce(linears["down_proj"](ops.gelu_tanh_mul(gate_up)))
-        return gemma_rms_norm(mlp, self.post_ffn_norm, eps)
+        return norm(mlp, self.post_ffn_norm, eps)
 
 
 class Gemma3Model(LlamaModel):
@@ -134,7 +125,7 @@ class Gemma3Model(LlamaModel):
             rotary = self.rotary_for(layer)
             delta = layer(delta, residual, positions, kv_cache, layer_meta, rotary, self.attention, self.ops)
         residual.add_(delta)
-        return gemma_rms_norm(residual, self.norm, self.config.rms_norm_eps)
+        return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

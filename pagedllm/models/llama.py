@@ -133,7 +133,7 @@ class DecoderLayer(nn.Module):
         if self.qkv_bias is not None:
             qkv += self.qkv_bias
         if self.q_norm is not None:
-            self.normalize_heads(qkv)
+            self.normalize_heads(qkv, ops)
         q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
         attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
         h = ops.add_rms_norm(attn, residual, self.post_norm, self.eps)
         return self.tp.all_reduce(linears["down_proj"](ops.silu_mul(linears["gate_up_proj"](h))))
 
-    def normalize_heads(self, qkv: torch.Tensor) -> None:
+    def normalize_heads(self, qkv: torch.Tensor, ops: LayerOps) -> None:
         """Qwen3's q/k norm, in place on the fused QKV rows: RMSNorm over each head's dims."""
         q_size, kv_size, _ = self.split
         d = self.head_dim

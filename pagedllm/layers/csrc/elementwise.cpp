@@ -5,6 +5,8 @@
 //                   written into the paged cache at their slots, q to its own buffer
 //   silu_mul:       out = silu(gate) * up from the fused gate/up output
 //   gelu_tanh_mul:  out = gelu_tanh(gate) * up, the same for Gemma's GeGLU
+//   gemma_norm:     Gemma's RMSNorm of each `dim` values of a row: normalized and times its
+//                   float32 (1 + w) in float32, rounded to the dtype once (as transformers)
 // Rounding follows the model's dtype where Hugging Face's llama rounds (the residual
 // sum, the normalized row before the weight, silu before the product), so bfloat16
 // results match its numerics to the last bit except for the rotary products, which
@@ -38,6 +40,24 @@ void add_rms_norm(const T* delta, T* residual, const T* weight, T* out, int64_t 
     T* o = out + r * hidden;
 #pragma omp simd
     for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(res[i]) * inv));
+  }
+}
+
+template <typename T>
+void gemma_norm(const T* x, const float* weight, T* out, int64_t rows, int64_t cols, int64_t dim, int64_t stride,
+                float eps) {
+#pragma omp parallel for if (rows * cols >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += dim) {
+      const T* xi = x + r * stride + c0;
+      T* o = out + r * stride + c0;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += to_float(xi[i]) * to_float(xi[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) o[i] = from_float<T>(to_float(xi[i]) * inv * weight[i]);
+    }
   }
 }
 
@@ -148,6 +168,10 @@ using pagedllm::bf16;
   }                                                                                                                \
   PAGEDLLM_API void gelu_tanh_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                 \
     pagedllm::gated<T>(gate_up, out, rows, width, pagedllm::GeluTanh{});                                           \
+  }                                                                                                                \
+  PAGEDLLM_API void gemma_norm_##SUFFIX(const T* x, const float* weight, T* out, int64_t rows, int64_t cols,        \
+                                        int64_t dim, int64_t stride, float eps) {                                   \
+    pagedllm::gemma_norm<T>(x, weight, out, rows, cols, dim, stride, eps);                                         \
   }
 
 PAGEDLLM_ELEMENTWISE(f32, float)
