@@ -18,7 +18,7 @@ Scenarios:
   into batches of n_batch (2,048) tokens, then one token per unfinished sequence per
   `llama_decode`.
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
-(warm-up) and once timed; rounds rotate which engine goes first, and the JSON reports the median
+with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and the JSON reports the median
 with min and max, the ratios per round, the machine and the versions.  The token streams are
 compared too (leading tokens that agree).  Results go to bench-results/ unless --output says.
 """
@@ -47,6 +47,7 @@ from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 SCENARIOS = ("one-128", "one-1024", "batch-8", "batch-32")
 ONE_REQUEST_OUTPUT = 256
 LLAMA_CPP_N_BATCH = 2048  # llama-server's default logical batch
+WARM_UP_TOKENS = 8
 
 
 def requests_for(scenario: str) -> list[tuple[list[int], int]]:
@@ -85,6 +86,7 @@ def run_pagedllm(config: EngineConfig, requests: list[tuple[list[int], int]]) ->
             stamps: list[float] = []
             start = time.perf_counter()
             for i, (prompt, max_tokens) in enumerate(requests):
+                max_tokens = min(max_tokens, WARM_UP_TOKENS) if round_ == "warm-up" else max_tokens
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                 engine.add_request(prompt, params, request_id=f"{round_}-{i}")
                 streams[f"{round_}-{i}"] = []
@@ -115,22 +117,22 @@ def run_llamacpp(path: str, requests: list[tuple[list[int], int]], threads: int)
         prompt, max_tokens = requests[0]
         llm = llama_cpp.Llama(path, n_ctx=len(prompt) + max_tokens + 8, n_threads=threads, seed=0, verbose=False)
         startup = time.perf_counter() - begin
-        for _ in range(2):  # a warm-up run, then the timed one
+        for limit in (WARM_UP_TOKENS, max_tokens):  # a warm-up run, then the timed one
             stamps: list[float] = []
             tokens: list[int] = []
             start = time.perf_counter()
             for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not special here
                 stamps.append(time.perf_counter())
                 tokens.append(int(token))
-                if len(tokens) == max_tokens:
+                if len(tokens) == limit:
                     break
         llm.close()
         return {"startup_s": round(startup, 2), "threads": threads} | token_figures(stamps, start, tokens), [tokens]
     batched = LlamaCppBatch(path, requests, threads)
     startup = time.perf_counter() - begin
-    for _ in range(2):
+    for limit in (WARM_UP_TOKENS, None):
         start = time.perf_counter()
-        tokens, stamps = batched.run()
+        tokens, stamps = batched.run(limit)
     batched.close()
     return {"startup_s": round(startup, 2), "threads": threads} | summary(stamps, start, tokens), tokens
 
@@ -168,7 +170,8 @@ class LlamaCppBatch:
     def _argmax(self, i: int) -> int:
         return int(np.argmax(np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))))
 
-    def run(self) -> tuple[list[list[int]], list[float]]:
+    def run(self, limit: int | None = None) -> tuple[list[list[int]], list[float]]:
+        """Every request to its output length (at most `limit` tokens each)."""
         self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
         tokens: list[list[int]] = [[] for _ in self.requests]
         stamps: list[float] = []
@@ -183,7 +186,7 @@ class LlamaCppBatch:
                     tokens[seq].append(self._argmax(i))
                     stamps.append(time.perf_counter())
         while True:
-            live = [s for s, (_, max_tokens) in enumerate(self.requests) if len(tokens[s]) < max_tokens]
+            live = [s for s, (_, n) in enumerate(self.requests) if len(tokens[s]) < min(n, limit or n)]
             if not live:
                 return tokens, stamps
             self._decode([(tokens[s][-1], len(self.requests[s][0]) + len(tokens[s]) - 1, s, True) for s in live])

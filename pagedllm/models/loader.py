@@ -4,6 +4,7 @@ under the Hugging Face parameter names, in float32, whatever the source."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -110,19 +111,30 @@ def load_weights(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig,
     return _load_hf_dir(path)
 
 
-def gguf_tensor_bytes(path: Path) -> int:
-    """The bytes a GGUF's tensors take in the file (what weights=native is compared with)."""
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: Path, size: int, mtime: float):
+    """The file's GGUFReader, parsed once (Gemma 3's 262,144-token vocabulary takes ~15 s to
+    parse); keyed by size and mtime as well, so a replaced file is read again."""
     import gguf
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    del size, mtime
+    return gguf.GGUFReader(str(path))
+
+
+def _reader(path: Path):
+    stat = path.stat()
+    return gguf_reader(path, stat.st_size, stat.st_mtime)
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes a GGUF's tensors take in the file (what weights=native is compared with)."""
+    return sum(int(t.n_bytes) for t in _reader(path).tensors)
 
 
 def read_model_config(path: Path) -> ModelConfig:
     """The model's shape alone, without reading its weights (the GGUF header, or config.json)."""
     if path.suffix == ".gguf":
-        import gguf
-
-        return _gguf_config(gguf.GGUFReader(str(path)), path)
+        return _gguf_config(_reader(path), path)
     return config_from_hf_dict(json.loads((path / "config.json").read_text()))
 
 
@@ -284,7 +296,7 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str, Weight]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _reader(path)
     config = _gguf_config(reader, path)
     gemma = config.architecture == "gemma3"
     weights: dict[str, Weight] = {}
