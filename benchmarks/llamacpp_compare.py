@@ -18,9 +18,10 @@ Scenarios:
   into batches of n_batch (2,048) tokens, then one token per unfinished sequence per
   `llama_decode`.
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
-with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and the JSON reports the median
-with min and max, the ratios per round, the machine and the versions.  The token streams are
-compared too (leading tokens that agree).  Results go to bench-results/ unless --output says.
+with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and
+the JSON reports the median with min and max, the ratios per round, the machine and the
+versions.  The token streams are compared too (leading tokens that agree).  Results go to
+bench-results/ unless --output says.
 """
 
 from __future__ import annotations
