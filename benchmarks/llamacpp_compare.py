@@ -16,7 +16,8 @@ Scenarios:
   tok/s over the wall time.  llama.cpp runs them through its batch API as its server does with
   several slots: one context with a sequence per request and a unified KV cache, prompts packed
   into batches of n_batch (2,048) tokens, then one token per unfinished sequence per
-  `llama_decode`.
+  `llama_decode`; `--llama-cpp-split-kv` gives each sequence its own share of the cache, as
+  llama-server does when `-np N` is given.
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
 with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and
 the JSON reports the median with min and max, the ratios per round, the machine and the
@@ -110,7 +111,9 @@ def summary(stamps: list[float], start: float, tokens: list[list[int]]) -> dict:
     return {"output_tokens": total, "wall_s": round(wall, 3), "output_tokens_per_s": round(total / wall, 2)}
 
 
-def run_llamacpp(path: str, requests: list[tuple[list[int], int]], threads: int) -> tuple[dict, list[list[int]]]:
+def run_llamacpp(
+    path: str, requests: list[tuple[list[int], int]], threads: int, unified: bool = True
+) -> tuple[dict, list[list[int]]]:
     import llama_cpp
 
     begin = time.perf_counter()
@@ -129,7 +132,7 @@ def run_llamacpp(path: str, requests: list[tuple[list[int], int]], threads: int)
                     break
         llm.close()
         return {"startup_s": round(startup, 2), "threads": threads} | token_figures(stamps, start, tokens), [tokens]
-    batched = LlamaCppBatch(path, requests, threads)
+    batched = LlamaCppBatch(path, requests, threads, unified)
     startup = time.perf_counter() - begin
     for limit in (WARM_UP_TOKENS, None):
         start = time.perf_counter()
@@ -142,17 +145,20 @@ class LlamaCppBatch:
     """Greedy decoding of several sequences at once through llama.cpp's C API (as llama-server
     runs its slots): one context, a sequence id per request, a unified KV cache."""
 
-    def __init__(self, path: str, requests: list[tuple[list[int], int]], threads: int) -> None:
+    def __init__(self, path: str, requests: list[tuple[list[int], int]], threads: int, unified: bool = True) -> None:
         import llama_cpp as lc
 
         self.lc, self.requests = lc, requests
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
         params = lc.llama_context_default_params()
-        params.n_ctx = sum(len(p) + m for p, m in requests) + 16
+        # Unified: one pool of every sequence's tokens (llama-server's default); else each
+        # sequence gets n_ctx / n_seq_max cells (llama-server with an explicit -np).
+        longest = max(len(p) + m for p, m in requests) + 16
+        params.n_ctx = sum(len(p) + m for p, m in requests) + 16 if unified else longest * len(requests)
         params.n_batch = LLAMA_CPP_N_BATCH
         params.n_seq_max = len(requests)
-        params.kv_unified = True
+        params.kv_unified = unified
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(self.model, params)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
@@ -218,6 +224,11 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: every core)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts every engine afresh")
+    parser.add_argument(
+        "--llama-cpp-split-kv",
+        action="store_true",
+        help="batches: a KV share per sequence (llama-server with -np N) instead of its default unified cache",
+    )
     parser.add_argument("--output", default=None, help="default: bench-results/llamacpp-<model>.json")
     args = parser.parse_args()
     gguf = resolve_model_path(args.model)
@@ -231,6 +242,7 @@ def main() -> int:
     report["settings"] = {w: dataclasses.asdict(c) for w, c in configs.items()}
     report["settings"]["llama_cpp"] = {
         "version": package_version("llama_cpp_python"), "n_threads": args.threads, "n_batch": LLAMA_CPP_N_BATCH,
+        "kv_unified": not args.llama_cpp_split_kv,
     }  # fmt: skip
     print(cpu_summary(), dtype, flush=True)
     for scenario in args.scenario:
@@ -240,7 +252,8 @@ def main() -> int:
         def engine_run(name: str, requests=requests, streams=streams):
             def run() -> dict:
                 if name == "llama_cpp":
-                    figures, streams[name] = run_llamacpp(str(gguf), requests, args.threads)
+                    unified = not args.llama_cpp_split_kv
+                    figures, streams[name] = run_llamacpp(str(gguf), requests, args.threads, unified)
                 else:
                     figures, streams[name] = run_pagedllm(configs[name], requests)
                 return figures
