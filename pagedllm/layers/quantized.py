@@ -12,9 +12,10 @@ quantize the activations to signed bytes per block of 32 (as llama.cpp does) and
 weight's bytes once per tile of rows: a decode step reads 3-8x fewer weight bytes than on
 float weights.  Steps of more rows (prompt chunks) dequantize the weight into a scratch
 matrix of the model's dtype and run a float GEMM on it, which is faster there than integer
-dot products (`python benchmarks/quantized_linear.py` measures both); the activations are
-rounded to the same 8-bit steps first, so that the two paths compute the same products and a
-request's output does not depend on how many rows share its step.  A fused projection
+dot products (`python benchmarks/quantized_linear.py` measures both).  That GEMM takes the
+activations as they are, so a prompt step computes exactly what the dequantized model would;
+a request's tokens can therefore depend on how many rows share its steps (README, Quantized
+weights).  A fused projection
 (q, k, v) whose parts came in different types keeps each part in its own layout and writes
 its columns of the one output.
 """
@@ -195,9 +196,7 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.shape[0] > self.max_rows:
-            # The activations rounded as the integer kernels round them: a request's tokens come
-            # out the same whether its rows share a step with many others or not.
-            return torch.matmul(self.kernels.quant_round_trip(x), self.dense_transposed(x.dtype))
+            return torch.matmul(x, self.dense_transposed(x.dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         col = 0
         for part in self.parts:

@@ -33,7 +33,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "common.h"
+#include "avx512.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -52,6 +52,68 @@ struct QuantizedRows {
   std::vector<int32_t> halves;  // [m, k / 16]: the sum of q over each 16 values
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// One block of 32 values to signed bytes q (rounded to nearest, ties to even, as nearbyint)
+// with scale max|x| / 127; the sums of q over each 16 in half; returns the scale.
+template <typename T>
+inline float quantize_block(const T* x, int8_t* q, int32_t* half) {
+#if defined(__AVX512F__)
+  const __m512 v0 = load16(x), v1 = load16(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  half[0] = _mm512_reduce_add_epi32(q0);
+  half[1] = _mm512_reduce_add_epi32(q1);
+  return amax / 127.f;
+#elif defined(__AVX2__)
+  __m256 v[4];
+  __m256 a = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float amax = _mm_cvtss_f32(m);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  half[0] = hsum8(_mm256_add_epi32(qi[0], qi[1]));
+  half[1] = hsum8(_mm256_add_epi32(qi[2], qi[3]));
+  return amax / 127.f;
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(to_float(x[j])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  half[0] = half[1] = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(to_float(x[j]) * inv));
+    half[j / 16] += q[j];
+  }
+  return amax / 127.f;
+#endif
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRows& out) {
   const int64_t blocks = m * k / kBlock;
@@ -61,19 +123,8 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRow
   out.halves.resize(m * k / 16);
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < blocks; ++i) {  // rows are contiguous and k % 32 == 0: block i of the flat [m * k]
-    float v[kBlock];
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      v[j] = to_float(x[i * kBlock + j]);
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int8_t* q = out.q.data() + i * kBlock;
-    int32_t half[2] = {0, 0};
-    for (int64_t j = 0; j < kBlock; ++j) {
-      q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-      half[j / 16] += q[j];
-    }
+    int32_t half[2];
+    const float d = quantize_block(x + i * kBlock, out.q.data() + i * kBlock, half);
     out.halves[2 * i] = half[0];
     out.halves[2 * i + 1] = half[1];
     if (group == kBlock) {
@@ -361,12 +412,13 @@ void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t l
 // float rounding), whatever rows share the step.
 template <typename T>
 void round_trip_rows(const T* x, T* out, int64_t m, int64_t k) {
-  QuantizedRows xr;
-  quantize_rows(x, m, k, kBlock, xr);
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
-  for (int64_t i = 0; i < m * k / kBlock; ++i)
-    for (int64_t j = 0; j < kBlock; ++j)
-      out[i * kBlock + j] = from_float<T>(xr.scale[i] * static_cast<float>(xr.q[i * kBlock + j]));
+  for (int64_t i = 0; i < m * k / kBlock; ++i) {
+    int8_t q[kBlock];
+    int32_t half[2];
+    const float d = quantize_block(x + i * kBlock, q, half);
+    for (int64_t j = 0; j < kBlock; ++j) out[i * kBlock + j] = from_float<T>(d * static_cast<float>(q[j]));
+  }
 }
 
 // Rows `ids` of the weight as floats (embedding lookups).
