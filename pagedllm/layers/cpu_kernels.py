@@ -70,7 +70,6 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
-    "quant_round_trip": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -383,16 +382,6 @@ class CpuKernels:
         fn = self._fn("quant_gemm", x.dtype)
         y = _ptr(out) + col * out.element_size()
         fn(_ptr(x), y, m, w.rows, k, out.shape[1], _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group, w.zero)
-
-    def quant_round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, k] (k a multiple of 32) with each block of 32 rounded to the 8-bit steps the
-        integer kernels quantize it to (q * scale)."""
-        _check(x)
-        if x.dim() != 2 or x.shape[1] % 32:
-            raise ValueError(f"quant_round_trip takes [rows, k * 32], got {tuple(x.shape)}")
-        out = torch.empty_like(x)
-        self._fn("quant_round_trip", x.dtype)(_ptr(x), _ptr(out), x.shape[0], x.shape[1])
-        return out
 
     def dequantize_rows(self, w, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32

@@ -407,20 +407,6 @@ void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t l
   return quant_gemm<T, 8, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
 }
 
-// x as the integer kernels see it: each block of 32 rounded to its 8-bit steps (q * scale), so
-// that a many-row step on the dequantized weight gives what the integer kernels would (up to
-// float rounding), whatever rows share the step.
-template <typename T>
-void round_trip_rows(const T* x, T* out, int64_t m, int64_t k) {
-#pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
-  for (int64_t i = 0; i < m * k / kBlock; ++i) {
-    int8_t q[kBlock];
-    int32_t half[2];
-    const float d = quantize_block(x + i * kBlock, q, half);
-    for (int64_t j = 0; j < kBlock; ++j) out[i * kBlock + j] = from_float<T>(d * static_cast<float>(q[j]));
-  }
-}
-
 // Rows `ids` of the weight as floats (embedding lookups).
 template <typename T, int Bits>
 void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t group,
@@ -532,12 +518,6 @@ PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, 
                                   const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
                                   int64_t group, int64_t zero) {
   pagedllm::quant_gemm_any(x, y, m, n, k, ldy, qs, scales, mins, bits, group, zero);
-}
-PAGEDLLM_API void quant_round_trip_f32(const float* x, float* out, int64_t m, int64_t k) {
-  pagedllm::round_trip_rows(x, out, m, k);
-}
-PAGEDLLM_API void quant_round_trip_bf16(const bf16* x, bf16* out, int64_t m, int64_t k) {
-  pagedllm::round_trip_rows(x, out, m, k);
 }
 // Rows `ids` (int64 [count]) of the weight as floats, to `out` [count, k]; with ids null, the
 // whole weight transposed to out [k, count] (count >= n: the row stride, for a fused projection's
