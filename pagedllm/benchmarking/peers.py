@@ -5,8 +5,10 @@
   subprocess of that environment's python.  It gets its CPU docs' tuning: every core bound with
   VLLM_CPU_OMP_THREADS_BIND, tcmalloc and the venv's Intel OpenMP preloaded, and the KV cache size
   pagedllm got (VLLM_CPU_KVCACHE_SPACE, whole GiB).
-- vLLM reads a Hugging Face directory: `hf_directory` converts a bundled model's GGUF once,
-  dequantized to float32 as pagedllm dequantizes it, so both engines run the same weights.
+- vLLM reads a Hugging Face directory (its CPU backend cannot load GGUF): `hf_directory`
+  converts a bundled model's GGUF once, dequantized to float32, the weights pagedllm runs with
+  `weights=dequantized`; with its default `weights=native` pagedllm computes on the file's
+  quantized blocks instead.
 - transformers runs static batches through its own `generate` (`transformers_generate`).
 """
 

@@ -22,6 +22,7 @@ its columns of the one output.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -206,8 +207,8 @@ class QuantizedLinear:
 
     def dense_transposed(self, dtype: torch.dtype) -> torch.Tensor:
         """W^T [in, out] dequantized to `dtype`, in a scratch buffer that the next call of any
-        QuantizedLinear overwrites (a fresh allocation each time cost more in page faults than
-        the dequantization itself)."""
+        QuantizedLinear on this thread overwrites (a fresh allocation each time cost more in page
+        faults than the dequantization itself)."""
         out = _scratch(self.out_features * self.parts[0].cols, dtype).view(self.parts[0].cols, -1)
         col = 0
         for part in self.parts:
@@ -220,14 +221,19 @@ class QuantizedLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+_SCRATCH = threading.local()
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer of at least `numel` elements (steps run one at a time in a process)."""
-    buffer = _SCRATCH.get(dtype)
+    """A reused buffer of at least `numel` elements, one per thread: an engine runs its steps on
+    one thread, one at a time, and engines on other threads of the process get buffers of
+    their own."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
