@@ -31,7 +31,7 @@ from pagedllm.layers.quantized import QuantizedWeight, quantized_max_rows
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import AttentionFn, LlamaModel, QuantizedSetup
-from pagedllm.models.loader import gguf_tensor_bytes, load_weights, resolve_model_path
+from pagedllm.models.loader import forget_gguf_readers, gguf_tensor_bytes, load_weights, resolve_model_path
 from pagedllm.models.registry import model_class
 from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size, shard_hf_weights
 
@@ -153,6 +153,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         file_bytes = gguf_tensor_bytes(path)
         summary += f"; resident weights {resident / 2**20:.1f} MiB, {resident / file_bytes:.2f}x the file's "
         summary += f"{file_bytes / 2**20:.1f} MiB of tensors"
+        forget_gguf_readers()
     if tp.rank == 0:
         logger.info("weights %s: %s", "native" if native else "dequantized", summary)
 

@@ -121,6 +121,11 @@ def gguf_reader(path: Path, size: int, mtime: float):
     return gguf.GGUFReader(str(path))
 
 
+def forget_gguf_readers() -> None:
+    """Drop the parsed readers (and their maps of the files) once the weights are loaded."""
+    gguf_reader.cache_clear()
+
+
 def _reader(path: Path):
     stat = path.stat()
     return gguf_reader(path, stat.st_size, stat.st_mtime)
