@@ -57,9 +57,10 @@ def main() -> None:
     quantized = fused(weights, config)
     backend = resolve_linear_backend("auto", dtype)
     packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
-    ways = {
+    ways: dict[str, list] = {
         "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
-        "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0) for w in packed],
+        "amx": [QuantizedLinear(w, kernels, max_rows=0, tiles=True) for w in packed],
+        "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tiles=False) for w in packed],
         "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
     print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -69,7 +70,7 @@ def main() -> None:
         inputs = {id(w): torch.randn(m, w[0].cols).to(dtype) for w in quantized}
         times: dict[str, list[float]] = {name: [] for name in ways}
         for round_ in range(args.rounds + 1):
-            for name in list(ways)[round_ % 3 :] + list(ways)[: round_ % 3]:
+            for name in list(ways)[round_ % len(ways) :] + list(ways)[: round_ % len(ways)]:
                 start = time.perf_counter()
                 for w, linear in zip(quantized, ways[name]):
                     linear(inputs[id(w)] if w[0].cols != config.hidden_size else x)

@@ -96,6 +96,30 @@ def test_dequantized_rows_and_transpose_are_exact(kind, dtype):
         quantized_embedding(packed, KERNELS, torch.tensor([40]), dtype)
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_amx, reason="no AMX-BF16 tiles here")
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
+def test_the_amx_tile_kernel_matches_the_dequantized_product(kind):
+    # 70 columns: five panels, a chunk of four and one of a single, partial panel
+    weight = repack(random_tensor(kind, 70, 512, seed=4), kind, 70, 512)
+    packed = pack(weight, KERNELS.quant_panel_width, KERNELS.quant_unsigned8)
+    dense = weight.dequantize(torch.bfloat16).float()  # the weights as the dequantized model holds them
+    torch.manual_seed(0)
+    for rows in (1, 16, 17, 32, 45, 70):  # whole passes of 32 rows, a lower half, a last pass of 1-16
+        x = torch.randn(rows, 512).to(torch.bfloat16)
+        out = torch.full((rows, 80), 5.0, dtype=torch.bfloat16)
+        KERNELS.quant_amx_gemm(x, packed, out, col=3)
+        want = x.float() @ dense.T
+        assert (out[:, 3:73].float() - want).abs().max() <= 8e-3 * want.abs().max(), (kind, rows)
+        assert bool((out[:, :3] == 5).all() and (out[:, 73:] == 5).all())  # other columns untouched
+    linear = QuantizedLinear([packed], KERNELS, max_rows=4)
+    assert linear.tiles
+    x = torch.randn(20, 512).to(torch.bfloat16)
+    want = x.float() @ dense.T
+    assert (linear(x).float() - want).abs().max() <= 8e-3 * want.abs().max()
+    with pytest.raises(TypeError, match="bfloat16"):
+        KERNELS.quant_amx_gemm(x.float(), packed, torch.empty(20, 70))
+
+
 @needs_kernels
 def test_a_fused_projection_of_mixed_types_writes_each_parts_columns():
     kinds = ["Q5_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]

@@ -138,7 +138,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
     with torch.device(device):  # parameters and rotary tables are created on the device
         model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
-    quantized = QuantizedSetup(ops.kernels, quantized_max_rows(dtype)) if native else None
+    quantized = QuantizedSetup(ops.kernels, quantized_max_rows(dtype, ops.kernels)) if native else None
     summary = describe_weights(weights, native)
     # linear=auto adds the small-batch packed GEMM (and its packed weight copy) where it runs; a named
     # backend is used alone.

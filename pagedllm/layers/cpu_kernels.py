@@ -44,8 +44,9 @@ _SOURCES = (
     "sampling.cpp",
     "decode_layers.cpp",
     "quant_gemm.cpp",
+    "quant_amx.cpp",
 )
-_HEADERS = ("common.h", "avx512.h")
+_HEADERS = ("common.h", "avx512.h", "quant_layout.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC vectorizes plain loops with 256-bit registers even where AVX-512 is there; 512 made
@@ -70,6 +71,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
+    "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -209,6 +211,9 @@ class CpuKernels:
         # and whether 8-bit values are stored unsigned (VNNI).
         self.quant_panel_width = library.quant_panel_width()
         self.quant_unsigned8 = bool(library.quant_unsigned8())
+        # Built with AMX-BF16 and allowed the tiles by the OS: many-row steps on quantized weights
+        # take csrc/quant_amx.cpp.
+        self.quant_amx = bool(library.quant_amx_available())
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
@@ -374,14 +379,23 @@ class CpuKernels:
         """out[:, col : col + w.rows] = x [m, k] @ W^T for W a PackedWeight [rows, k]
         (pagedllm/layers/quantized.py; the kernels are csrc/quant_gemm.cpp); x float32 or
         bfloat16, out [m, >= col + rows] of x's dtype."""
+        self._quant_gemm("quant_gemm", x, w, out, col)
+
+    def _quant_gemm(self, name: str, x: torch.Tensor, w, out: torch.Tensor, col: int) -> None:
         _check(x, out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
         m, k = x.shape
         if k != w.cols or out.dtype != x.dtype or out.shape[0] != m or out.shape[1] < col + w.rows:
             raise ValueError(f"quant_gemm: x {tuple(x.shape)}, weight [{w.rows}, {w.cols}], out {tuple(out.shape)}")
         mins = None if w.mins is None else _ptr(w.mins)
-        fn = self._fn("quant_gemm", x.dtype)
+        fn = self._fn(name, x.dtype)
         y = _ptr(out) + col * out.element_size()
         fn(_ptr(x), y, m, w.rows, k, out.shape[1], _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group, w.zero)
+
+    def quant_amx_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:
+        """`quant_gemm` on AMX tiles, for bfloat16 x where `quant_amx` (csrc/quant_amx.cpp)."""
+        if not self.quant_amx or x.dtype != torch.bfloat16:
+            raise TypeError(f"the AMX quantized GEMM takes bfloat16 on a CPU with AMX-BF16, got {x.dtype}")
+        self._quant_gemm("quant_amx_gemm", x, w, out, col)
 
     def dequantize_rows(self, w, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32

@@ -10,11 +10,13 @@ nothing here knows GGUF.  `pack` turns it into the panel layout the C++ kernels 
 A `QuantizedLinear` runs steps of up to `max_rows` rows on the integer kernels, which
 quantize the activations to signed bytes per block of 32 (as llama.cpp does) and read the
 weight's bytes once per tile of rows: a decode step reads about 5x fewer weight bytes than
-on bfloat16 weights (10x fewer than on float32).  Steps of more rows (prompt chunks)
-dequantize the weight into a scratch matrix of the model's dtype and run a float GEMM on
-it, faster there than integer dot products (`python benchmarks/quantized_linear.py`
-measures both).  That GEMM takes the activations as they are, so a prompt step computes
-exactly what the dequantized model would; a request's tokens can therefore depend on how
+on bfloat16 weights (10x fewer than on float32).  Steps of more rows (prompt chunks,
+large batches) are bound by multiply-adds instead, and run in the model's dtype on the weight
+dequantized: in bfloat16 on a CPU with AMX-BF16, by the tile kernel (csrc/quant_amx.cpp),
+which dequantizes a few panels at a time into the thread's cache; elsewhere into a scratch
+matrix for a float GEMM (`python benchmarks/quantized_linear.py` measures each way).  These
+take the activations as they are, so such a step computes what the dequantized model would
+(up to the order of float additions); a request's tokens can therefore depend on how
 many rows share its steps (README, Quantized weights).  A fused projection (q, k, v) whose
 parts came in different types keeps each part in its own layout and writes its columns of
 the one output.
@@ -30,15 +32,19 @@ import torch
 from pagedllm.layers.cpu_kernels import CpuKernels, cpu_flags
 
 BLOCK = 32  # values per quantized block along the inner dimension
-# Rows of a step up to which projections run on the integer kernels; above, a float GEMM on
-# the weight dequantized for the step (`python benchmarks/quantized_linear.py`).
+# Rows of a step up to which projections run on the integer kernels; above, the AMX tile kernel
+# (bfloat16 where the CPU has AMX-BF16), else a float GEMM on the weight dequantized for the step
+# (`python benchmarks/quantized_linear.py` measures the crossovers).
 INT_MAX_ROWS = 128
-INT_MAX_ROWS_AMX = 64  # bfloat16 where oneDNN's GEMM has AMX tiles
+INT_MAX_ROWS_AMX_TILES = 16  # bfloat16, with csrc/quant_amx.cpp
+INT_MAX_ROWS_AMX = 64  # bfloat16 where only oneDNN's GEMM has the AMX tiles
 
 
-def quantized_max_rows(dtype: torch.dtype) -> int:
+def quantized_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
     """The integer kernels' row limit for this CPU and dtype (see INT_MAX_ROWS)."""
-    return INT_MAX_ROWS_AMX if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split() else INT_MAX_ROWS
+    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags().split():
+        return INT_MAX_ROWS
+    return INT_MAX_ROWS_AMX_TILES if kernels.quant_amx else INT_MAX_ROWS_AMX
 
 
 @dataclass(frozen=True)
@@ -183,7 +189,9 @@ class QuantizedLinear:
     """x [tokens, in] -> [tokens, out] on PackedWeights stacked by output columns: the integer
     kernels up to `max_rows` rows, a float GEMM on the dequantized weight above."""
 
-    def __init__(self, parts: list[PackedWeight], kernels: CpuKernels, max_rows: int) -> None:
+    def __init__(
+        self, parts: list[PackedWeight], kernels: CpuKernels, max_rows: int, tiles: bool | None = None
+    ) -> None:
         if len({p.cols for p in parts}) != 1:
             raise ValueError(
                 f"the parts of a fused projection must share their input width, got {[p.cols for p in parts]}"
@@ -193,15 +201,20 @@ class QuantizedLinear:
         self.small_weight = None  # not packed for the float small-batch kernels
         self.kernels = kernels
         self.max_rows = max_rows
+        self.tiles = kernels.quant_amx if tiles is None else tiles  # many bfloat16 rows on AMX tiles
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if x.shape[0] > self.max_rows:
+        if x.shape[0] <= self.max_rows:
+            gemm = self.kernels.quant_gemm
+        elif self.tiles and x.dtype == torch.bfloat16:
+            gemm = self.kernels.quant_amx_gemm
+        else:
             return torch.matmul(x, self.dense_transposed(x.dtype))
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         col = 0
         for part in self.parts:
-            self.kernels.quant_gemm(x, part, y, col)
+            gemm(x, part, y, col)
             col += part.rows
         return y
 

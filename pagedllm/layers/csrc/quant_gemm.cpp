@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "avx512.h"
+#include "quant_layout.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -41,7 +42,6 @@
 namespace pagedllm {
 namespace {
 
-constexpr int64_t kBlock = 32;
 constexpr int64_t kTileRows = 4;
 
 // Activation rows quantized per block of 32.
@@ -139,7 +139,6 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRow
 
 // One instruction set's vectors: a vector holds one quad of kPanel columns.
 #if defined(__AVX512BW__)
-constexpr int64_t kPanel = 16;
 struct Isa {
   using I = __m512i;
   using F = __m512;
@@ -190,14 +189,7 @@ struct Isa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
-#if defined(__AVX512VNNI__)
-constexpr bool kUnsigned8 = true;
-#else
-constexpr bool kUnsigned8 = false;
-#endif
 #elif defined(__AVX2__)
-constexpr int64_t kPanel = 8;
-constexpr bool kUnsigned8 = false;
 struct Isa {
   using I = __m256i;
   using F = __m256;
@@ -239,12 +231,7 @@ struct Isa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
-#else
-constexpr int64_t kPanel = 8;
-constexpr bool kUnsigned8 = false;
 #endif
-
-inline int64_t block_bytes(int64_t bits) { return kPanel * (bits == 4 ? 16 : bits == 5 ? 20 : 32); }
 
 // The stored integer of column c (within its panel) at k index j of block `blk` (which points
 // at the panel's block).

@@ -1,0 +1,242 @@
+// y = x W^T for many rows of bfloat16 x on weights kept quantized, with Intel AMX tiles.
+//
+// A step of many rows (a prompt chunk, a large batch) is bound by multiply-adds, not by reading
+// the weight, and AMX's `tdpbf16ps` does 16 x 16 x 32 of them per instruction.  Each thread takes
+// kChunkPanels panels of the weight (the panel layout of quant_gemm.cpp), dequantizes them into a
+// buffer laid out as AMX B tiles (per block of 32 k values, 16 rows of 16 columns x 2 consecutive
+// k values), and multiplies every row of x against it, 32 rows x 32 columns per pass with float32
+// accumulation.  The dequantized chunk (64 columns x k) stays in the thread's L2 cache: the step
+// reads the quantized bytes once and writes no dense copy of the weight.  Values are dequantized
+// as scale * u + (min - zero * scale) in float32, then rounded to bfloat16 (nearest even), as the
+// dequantized model's weights are.
+//
+// Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
+// quant_amx_available() returns 0 and callers take the other paths.
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "quant_layout.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDLLM_AMX 1
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+namespace {
+
+#if defined(PAGEDLLM_AMX)
+constexpr int64_t kChunkPanels = 4;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
+constexpr int64_t kTileElems = 512;  // bfloat16 values in one B tile: 16 rows of 64 bytes
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asking again is harmless.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Tiles 0-3: C (16 rows x 16 float32); 4-5: A (16 rows x 32 bfloat16); 6-7: B (16 pairs x 16 x 2).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// A quad's 64 bytes (byte 4c + i: column c's value at k = 4j + i) to two B tile rows: `even`
+// holds k = 4j, 4j + 1 of each column, `odd` 4j + 2, 4j + 3.  scale[t] and bias[t] hold columns
+// 4t..4t + 3 four times each, matching 16 bytes of the quad.
+template <bool Signed>
+inline void quad_to_rows(__m512i q, const __m512* scale, const __m512* bias, uint16_t* even, uint16_t* odd) {
+  __m512 f[4];
+  const __m128i b[4] = {_mm512_extracti32x4_epi32(q, 0), _mm512_extracti32x4_epi32(q, 1),
+                        _mm512_extracti32x4_epi32(q, 2), _mm512_extracti32x4_epi32(q, 3)};
+  for (int t = 0; t < 4; ++t) {
+    const __m512i w = Signed ? _mm512_cvtepi8_epi32(b[t]) : _mm512_cvtepu8_epi32(b[t]);
+    f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), scale[t], bias[t]);
+  }
+  // As 32-bit pairs, lo's pair d is column d / 2's (k0 k1) for even d, (k2 k3) for odd d; hi's
+  // the same for columns 8 + d / 2.
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  const __m512i even_pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd_pairs = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  _mm512_storeu_si512(even, _mm512_permutex2var_epi32(lo, even_pairs, hi));
+  _mm512_storeu_si512(odd, _mm512_permutex2var_epi32(lo, odd_pairs, hi));
+}
+
+// A group's 16 scales and biases spread so that lane l of vector t is column 4t + l / 4's.
+inline void spread(const float* s, const float* mn, int32_t zero, __m512* scale, __m512* bias) {
+  const __m512 sv = _mm512_loadu_ps(s);
+  const __m512 mv = mn == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mn);
+  const __m512 bv = _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(zero)), sv, mv);
+  const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(4 * t));
+    scale[t] = _mm512_permutexvar_ps(idx, sv);
+    bias[t] = _mm512_permutexvar_ps(idx, bv);
+  }
+}
+
+// Panels p0..p0 + np of the weight to B tiles: buf [k / 32 blocks][np][kTileElems].
+template <int Bits, int Group>
+void dequantize_chunk(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p0,
+                      int64_t np, uint16_t* buf) {
+  constexpr bool kSigned = Bits == 8 && !kUnsigned8;
+  const int64_t blocks = k / kBlock, groups = k / Group;
+  const int64_t panel_bytes = blocks * block_bytes(Bits), panel_floats = groups * kPanel;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
+  for (int64_t p = 0; p < np; ++p) {
+    const uint8_t* wq = qs + (p0 + p) * panel_bytes;
+    const float* ws = scales + (p0 + p) * panel_floats;
+    const float* wm = mins == nullptr ? nullptr : mins + (p0 + p) * panel_floats;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = wq + b * block_bytes(Bits);
+      uint16_t* tile = buf + (b * np + p) * kTileElems;
+      __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
+      for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
+        const int64_t g = Group == 16 ? 2 * b + h : b;
+        spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
+      }
+      if constexpr (Bits == 8) {
+        for (int j = 0; j < 8; ++j) {
+          const int h = Group == 16 && j >= 4 ? 1 : 0;
+          quad_to_rows<kSigned>(_mm512_loadu_si512(blk + j * 64), scale[h], bias[h], tile + 64 * j,
+                                tile + 64 * j + 32);
+        }
+      } else {
+        const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(blk + j * 64);
+          __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
+          }
+          quad_to_rows<false>(lo, scale[0], bias[0], tile + 64 * j, tile + 64 * j + 32);
+          quad_to_rows<false>(hi, scale[0], bias[0], tile + 64 * (j + 4), tile + 64 * (j + 4) + 32);
+        }
+      }
+    }
+  }
+}
+
+// y[r][c] for every row r of x (rows of 32 from a, the last partial one from `tail`, 32 rows
+// zero-padded) and the chunk's columns c < cols, from the B tiles in buf.
+void multiply_chunk(const bf16* x, const bf16* tail, int64_t m, int64_t k, const uint16_t* buf, int64_t np,
+                    int64_t cols, bf16* y, int64_t ldy) {
+  const int64_t blocks = k / kBlock, stride = k * 2;
+  alignas(64) float c[32][32];
+  for (int64_t r0 = 0; r0 < m; r0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, m - r0);
+    const bf16* a = rows == 32 ? x + r0 * k : tail;
+    const bool lower = rows > 16;  // a last pass of at most 16 rows leaves the lower A tile out
+    for (int64_t pp = 0; pp < np; pp += 2) {
+      const bool two = pp + 1 < np;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < blocks; ++b) {
+        _tile_loadd(4, a + b * kBlock, stride);
+        _tile_loadd(6, buf + (b * np + pp) * kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, buf + (b * np + pp + 1) * kTileElems, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (lower) {
+          _tile_loadd(5, a + 16 * k + b * kBlock, stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &c[0][0], 128);
+      _tile_stored(1, &c[0][16], 128);
+      _tile_stored(2, &c[16][0], 128);
+      _tile_stored(3, &c[16][16], 128);
+      const int64_t width = std::min<int64_t>(two ? 32 : 16, cols - pp * kPanel);
+      const __mmask32 mask = width >= 32 ? ~__mmask32{0} : (__mmask32{1} << width) - 1;
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]), _mm512_load_ps(&c[r][0]));
+        _mm512_mask_storeu_epi16(y + (r0 + r) * ldy + pp * kPanel, mask, out);
+      }
+    }
+  }
+}
+
+template <int Bits, int Group>
+void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
+              const float* scales, const float* mins, int32_t zero) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t chunks = (panels + kChunkPanels - 1) / kChunkPanels;
+  std::vector<bf16> tail;  // the last m % 32 rows, zero-padded to a whole pass of 32
+  if (m % 32 != 0) {
+    tail.assign(32 * k, bf16{0});
+    std::memcpy(tail.data(), x + (m - m % 32) * k, (m % 32) * k * sizeof(bf16));
+  }
+#pragma omp parallel
+  {
+    configure_tiles();
+    static thread_local std::vector<uint16_t> buf;
+    const size_t need = static_cast<size_t>(k / kBlock * kChunkPanels * kTileElems);
+    if (buf.size() < need) buf.resize(need);
+#pragma omp for schedule(static)
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t p0 = chunk * kChunkPanels, np = std::min(kChunkPanels, panels - p0);
+      dequantize_chunk<Bits, Group>(qs, scales, mins, zero, k, p0, np, buf.data());
+      multiply_chunk(x, tail.data(), m, k, buf.data(), np, std::min(np * kPanel, n - p0 * kPanel), y + p0 * kPanel,
+                     ldy);
+    }
+    _tile_release();
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace pagedllm
+
+using pagedllm::bf16;
+
+// 1 where this build has the AMX kernel and the OS let the process use the tiles.
+PAGEDLLM_API int64_t quant_amx_available() {
+#if defined(PAGEDLLM_AMX)
+  return pagedllm::amx_granted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// y[r * ldy + j] for j < n = row r of x [m, k] times column j of the panel-packed weight; a no-op
+// where quant_amx_available() is 0.
+PAGEDLLM_API void quant_amx_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
+                                      const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                      int64_t group, int64_t zero) {
+#if defined(PAGEDLLM_AMX)
+  if (!pagedllm::amx_granted()) return;
+  const int32_t z = static_cast<int32_t>(zero);
+  if (bits == 4) return pagedllm::amx_gemm<4, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  if (bits == 5) return pagedllm::amx_gemm<5, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  if (group == 16) return pagedllm::amx_gemm<8, 16>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  return pagedllm::amx_gemm<8, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+#else
+  (void)x, (void)y, (void)m, (void)n, (void)k, (void)ldy, (void)qs, (void)scales, (void)mins, (void)bits;
+  (void)group, (void)zero;
+#endif
+}
