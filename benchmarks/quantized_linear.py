@@ -59,8 +59,13 @@ def main() -> None:
     packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
     ways: dict[str, list] = {
         "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
-        "amx": [QuantizedLinear(w, kernels, max_rows=0, tiles=True) for w in packed],
-        "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tiles=False) for w in packed],
+    }
+    if kernels.quant_amx and dtype == torch.bfloat16:
+        ways["amx"] = [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=1 << 30) for w in packed]
+    if kernels.dequantize_blocked_bf16 and dtype == torch.bfloat16:
+        ways["blocked"] = [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=0, blocked=True) for w in packed]
+    ways |= {
+        "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=0, blocked=False) for w in packed],
         "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
     print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")

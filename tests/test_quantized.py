@@ -15,7 +15,14 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.quantized import PackedWeight, QuantizedLinear, QuantizedWeight, pack, quantized_embedding
+from pagedllm.layers.quantized import (
+    PackedWeight,
+    QuantizedLinear,
+    QuantizedWeight,
+    onednn_blocked_layout,
+    pack,
+    quantized_embedding,
+)
 from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
 from pagedllm.models.llama import fuse
 from pagedllm.models.loader import gguf_tensor_bytes, load_weights, resolve_model_path
@@ -112,12 +119,35 @@ def test_the_amx_tile_kernel_matches_the_dequantized_product(kind):
         assert (out[:, 3:73].float() - want).abs().max() <= 8e-3 * want.abs().max(), (kind, rows)
         assert bool((out[:, :3] == 5).all() and (out[:, 73:] == 5).all())  # other columns untouched
     linear = QuantizedLinear([packed], KERNELS, max_rows=4)
-    assert linear.tiles
+    assert linear.tile_max_rows >= 20
     x = torch.randn(20, 512).to(torch.bfloat16)
     want = x.float() @ dense.T
     assert (linear(x).float() - want).abs().max() <= 8e-3 * want.abs().max()
     with pytest.raises(TypeError, match="bfloat16"):
         KERNELS.quant_amx_gemm(x.float(), packed, torch.empty(20, 70))
+
+
+@pytest.mark.skipif(
+    KERNELS is None or not KERNELS.dequantize_blocked_bf16 or not onednn_blocked_layout(96, 512),
+    reason="no AVX512-BF16 build or oneDNN packs bfloat16 weights in another layout here",
+)
+def test_many_rows_run_on_onednn_with_the_weight_dequantized_into_its_layout():
+    kinds = ["Q4_1", "Q6_K", "Q5_0"]  # a fused projection: parts of 32, 32 and 32 rows
+    weights = [repack(random_tensor(k, 32, 512, seed=5 + i), k, 32, 512) for i, k in enumerate(kinds)]
+    parts = fuse(weights)
+    packed = [pack(p, KERNELS.quant_panel_width, KERNELS.quant_unsigned8) for p in parts]
+    linear = QuantizedLinear(packed, KERNELS, max_rows=0, tile_max_rows=0)
+    assert linear.blocked
+    dense = torch.cat([w.dequantize(torch.bfloat16) for w in weights])
+    x = torch.randn(200, 512).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(
+        x, torch.ops.mkldnn._reorder_linear_weight(dense, 128), None, "none", [], ""
+    )
+    assert torch.equal(linear(x), want)  # the same weights, the same GEMM: the same bits
+    # A shape it cannot lay out (rows not a multiple of 32) takes the plain GEMM.
+    odd_part = pack(repack(random_tensor("Q8_0", 48, 512), "Q8_0", 48, 512), 16, KERNELS.quant_unsigned8)
+    odd = QuantizedLinear(packed[:1] + [odd_part], KERNELS, max_rows=0, tile_max_rows=0)
+    assert not odd.blocked
 
 
 @needs_kernels

@@ -72,6 +72,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
+    "dequantize_blocked": ([_P] * 3 + [_I] * 5 + [_P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
@@ -214,6 +215,8 @@ class CpuKernels:
         # Built with AMX-BF16 and allowed the tiles by the OS: many-row steps on quantized weights
         # take csrc/quant_amx.cpp.
         self.quant_amx = bool(library.quant_amx_available())
+        # Built with AVX512-BF16: quantized weights can be dequantized into oneDNN's blocked layout.
+        self.dequantize_blocked_bf16 = bool(library.dequantize_blocked_available())
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
@@ -396,6 +399,16 @@ class CpuKernels:
         if not self.quant_amx or x.dtype != torch.bfloat16:
             raise TypeError(f"the AMX quantized GEMM takes bfloat16 on a CPU with AMX-BF16, got {x.dtype}")
         self._quant_gemm("quant_amx_gemm", x, w, out, col)
+
+    def dequantize_blocked(self, w, out: int) -> None:
+        """A PackedWeight [rows, cols] (rows a multiple of 32) to bfloat16 in oneDNN's blocked linear
+        layout at address `out` (csrc/quant_amx.cpp; where `dequantize_blocked_bf16`)."""
+        if not self.dequantize_blocked_bf16 or w.rows % 32:
+            raise ValueError(f"dequantize_blocked: [{w.rows}, {w.cols}] on a build without it or rows not of 32")
+        self._fn("dequantize_blocked", torch.bfloat16)(
+            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.zero, w.rows,
+            w.cols, out,
+        )  # fmt: skip
 
     def dequantize_rows(self, w, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from pagedllm.layers.cpu_kernels import CpuKernels
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+ONEDNN_ROWS_HINT = 128  # the batch size oneDNN's weight packing is told to expect
 
 
 @functools.cache
@@ -71,7 +72,7 @@ class Linear:
             self.small_weight, self.small_max_rows = small_batch.pack_panels(weight), max_rows
             self._small = functools.partial(small_batch.packed_gemm, n=self.out_features)
         if backend == "onednn":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 128)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS_HINT)
             self._forward = self._onednn
         else:
             self.weight = weight

@@ -24,20 +24,25 @@ the one output.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from pagedllm.layers.cpu_kernels import CpuKernels, cpu_flags
+from pagedllm.layers.linear import ONEDNN_ROWS_HINT, onednn_supports
 
 BLOCK = 32  # values per quantized block along the inner dimension
-# Rows of a step up to which projections run on the integer kernels; above, the AMX tile kernel
-# (bfloat16 where the CPU has AMX-BF16), else a float GEMM on the weight dequantized for the step
-# (`python benchmarks/quantized_linear.py` measures the crossovers).
+# Rows of a step up to which projections run on the integer kernels; above, in bfloat16 where
+# the CPU has AMX-BF16, the AMX tile kernel up to TILE_MAX_ROWS rows, then oneDNN's GEMM on the
+# weight dequantized into its blocked layout; elsewhere a float GEMM on the weight dequantized
+# for the step (`python benchmarks/quantized_linear.py` measures the crossovers).
 INT_MAX_ROWS = 128
 INT_MAX_ROWS_AMX_TILES = 16  # bfloat16, with csrc/quant_amx.cpp
 INT_MAX_ROWS_AMX = 64  # bfloat16 where only oneDNN's GEMM has the AMX tiles
+TILE_MAX_ROWS = 160
 
 
 def quantized_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
@@ -187,10 +192,17 @@ def pack(weight: QuantizedWeight, panel: int, unsigned8: bool) -> PackedWeight:
 
 class QuantizedLinear:
     """x [tokens, in] -> [tokens, out] on PackedWeights stacked by output columns: the integer
-    kernels up to `max_rows` rows, a float GEMM on the dequantized weight above."""
+    kernels up to `max_rows` rows; above, for bfloat16 x where the kernels have them, the AMX tile
+    kernel up to `tile_max_rows` rows and then oneDNN's GEMM on the weight dequantized into its
+    blocked layout (`blocked`); else a float GEMM on the weight dequantized into a scratch W^T."""
 
     def __init__(
-        self, parts: list[PackedWeight], kernels: CpuKernels, max_rows: int, tiles: bool | None = None
+        self,
+        parts: list[PackedWeight],
+        kernels: CpuKernels,
+        max_rows: int,
+        tile_max_rows: int | None = None,
+        blocked: bool | None = None,
     ) -> None:
         if len({p.cols for p in parts}) != 1:
             raise ValueError(
@@ -201,22 +213,39 @@ class QuantizedLinear:
         self.small_weight = None  # not packed for the float small-batch kernels
         self.kernels = kernels
         self.max_rows = max_rows
-        self.tiles = kernels.quant_amx if tiles is None else tiles  # many bfloat16 rows on AMX tiles
+        self.tile_max_rows = (TILE_MAX_ROWS if kernels.quant_amx else 0) if tile_max_rows is None else tile_max_rows
+        if blocked is None:
+            blocked = kernels.dequantize_blocked_bf16 and onednn_blocked_layout(self.out_features, parts[0].cols)
+        self.blocked = blocked and all(p.rows % 32 == 0 for p in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if x.shape[0] <= self.max_rows:
+        rows = x.shape[0]
+        if rows <= self.max_rows:
             gemm = self.kernels.quant_gemm
-        elif self.tiles and x.dtype == torch.bfloat16:
+        elif rows <= self.tile_max_rows and x.dtype == torch.bfloat16:
             gemm = self.kernels.quant_amx_gemm
+        elif self.blocked and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight(), None, "none", [], "")
         else:
             return torch.matmul(x, self.dense_transposed(x.dtype))
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        y = torch.empty(rows, self.out_features, dtype=x.dtype)
         col = 0
         for part in self.parts:
             gemm(x, part, y, col)
             col += part.rows
         return y
+
+    def onednn_weight(self) -> torch.Tensor:
+        """The weight dequantized to bfloat16 in a oneDNN packed tensor that the next call of any
+        QuantizedLinear of this shape on this thread overwrites."""
+        cols = self.parts[0].cols
+        weight = _onednn_scratch(self.out_features, cols)
+        address, col = torch.ops.mkldnn.data_ptr(weight), 0
+        for part in self.parts:  # 32 columns x all of k per block, column blocks outermost
+            self.kernels.dequantize_blocked(part, address + col * cols * 2)
+            col += part.rows
+        return weight
 
     def dense_transposed(self, dtype: torch.dtype) -> torch.Tensor:
         """W^T [in, out] dequantized to `dtype`, in a scratch buffer that the next call of any
@@ -234,6 +263,32 @@ class QuantizedLinear:
         return sum(p.nbytes for p in self.parts)
 
 
+@functools.cache
+def onednn_blocked_layout(rows: int, cols: int) -> bool:
+    """True when oneDNN packs a bfloat16 linear weight [rows, cols] as `dequantize_blocked` writes
+    it: blocks of 32 rows x 32 columns, in each [16 column pairs][32 rows][2].  Checked on a random
+    weight of that shape, so another oneDNN version or CPU with another layout takes the plain GEMM."""
+    if rows % 32 or cols % 32 or not _onednn_bf16():
+        return False
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
+    if torch.ops.mkldnn._nbytes(packed) != rows * cols * 2:
+        return False
+    raw = torch.empty(rows * cols, dtype=torch.int16)
+    ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(packed), rows * cols * 2)
+    expected = weight.view(torch.int16).reshape(rows // 32, 32, cols // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    return torch.equal(raw, expected.reshape(-1))
+
+
+def _onednn_bf16() -> bool:
+    try:
+        return all(hasattr(torch.ops.mkldnn, name) for name in ("data_ptr", "_nbytes")) and onednn_supports(
+            torch.bfloat16
+        )
+    except (RuntimeError, AttributeError):
+        return False
+
+
 _SCRATCH = threading.local()
 
 
@@ -248,6 +303,19 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
+
+
+def _onednn_scratch(rows: int, cols: int) -> torch.Tensor:
+    """A reused oneDNN packed bfloat16 weight [rows, cols], one per shape and thread (see _scratch)."""
+    tensors = getattr(_SCRATCH, "onednn", None)
+    if tensors is None:
+        tensors = _SCRATCH.onednn = {}
+    weight = tensors.get((rows, cols))
+    if weight is None:
+        weight = tensors[rows, cols] = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(rows, cols, dtype=torch.bfloat16), ONEDNN_ROWS_HINT
+        )
+    return weight
 
 
 def quantized_embedding(weight: PackedWeight, kernels: CpuKernels, ids: torch.Tensor, dtype: torch.dtype):

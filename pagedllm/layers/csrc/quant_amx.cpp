@@ -22,42 +22,19 @@
 #include "common.h"
 #include "quant_layout.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PAGEDLLM_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDLLM_BF16_PAIRS 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDLLM_AMX 1
+#endif
 #endif
 
 namespace pagedllm {
 namespace {
 
-#if defined(PAGEDLLM_AMX)
-constexpr int64_t kChunkPanels = 4;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
+#if defined(PAGEDLLM_BF16_PAIRS)
 constexpr int64_t kTileElems = 512;  // bfloat16 values in one B tile: 16 rows of 64 bytes
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asking again is harmless.
-bool amx_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// Tiles 0-3: C (16 rows x 16 float32); 4-5: A (16 rows x 32 bfloat16); 6-7: B (16 pairs x 16 x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // A quad's 64 bytes (byte 4c + i: column c's value at k = 4j + i) to two B tile rows: `even`
 // holds k = 4j, 4j + 1 of each column, `odd` 4j + 2, 4j + 3.  scale[t] and bias[t] hold columns
@@ -94,58 +71,127 @@ inline void spread(const float* s, const float* mn, int32_t zero, __m512* scale,
   }
 }
 
-// Panels p0..p0 + np of the weight to B tiles: buf [k / 32 blocks][np][kTileElems].
+// Panel p of the weight in pairs of k values: block b's 16 rows of 16 columns x 2 (k = 2i, 2i + 1
+// in row i) at dst + b * block_stride, rows row_stride values apart.
+template <int Bits, int Group>
+void dequantize_panel(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p,
+                      uint16_t* dst, int64_t block_stride, int64_t row_stride) {
+  constexpr bool kSigned = Bits == 8 && !kUnsigned8;
+  const int64_t blocks = k / kBlock, groups = k / Group;
+  const uint8_t* wq = qs + p * blocks * block_bytes(Bits);
+  const float* ws = scales + p * groups * kPanel;
+  const float* wm = mins == nullptr ? nullptr : mins + p * groups * kPanel;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = wq + b * block_bytes(Bits);
+    uint16_t* rows = dst + b * block_stride;
+    __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
+    for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
+      const int64_t g = Group == 16 ? 2 * b + h : b;
+      spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
+    }
+    if constexpr (Bits == 8) {
+      for (int j = 0; j < 8; ++j) {
+        const int h = Group == 16 && j >= 4 ? 1 : 0;
+        quad_to_rows<kSigned>(_mm512_loadu_si512(blk + j * 64), scale[h], bias[h], rows + 2 * j * row_stride,
+                              rows + (2 * j + 1) * row_stride);
+      }
+    } else {
+      const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + j * 64);
+        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
+          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
+        }
+        quad_to_rows<false>(lo, scale[0], bias[0], rows + 2 * j * row_stride, rows + (2 * j + 1) * row_stride);
+        quad_to_rows<false>(hi, scale[0], bias[0], rows + (2 * j + 8) * row_stride, rows + (2 * j + 9) * row_stride);
+      }
+    }
+  }
+}
+
+// The whole weight [n, k] in oneDNN's blocked bfloat16 layout for a linear's weight (AB16b32a2b:
+// blocks of 32 output columns x 32 k, outer order column block then k block, inside [k pairs 16]
+// [columns 32][2]), which torch's packed linear reads.  n is a multiple of 32.
+template <int Bits, int Group>
+void dequantize_blocked(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t n, int64_t k,
+                        uint16_t* out) {
+  const int64_t blocks = k / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < n / kPanel; ++p)
+    dequantize_panel<Bits, Group>(qs, scales, mins, zero, k, p, out + (p / 2 * blocks) * 1024 + (p % 2) * 32, 1024,
+                                  64);
+}
+
 template <int Bits, int Group>
 void dequantize_chunk(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p0,
                       int64_t np, uint16_t* buf) {
-  constexpr bool kSigned = Bits == 8 && !kUnsigned8;
-  const int64_t blocks = k / kBlock, groups = k / Group;
-  const int64_t panel_bytes = blocks * block_bytes(Bits), panel_floats = groups * kPanel;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
-  for (int64_t p = 0; p < np; ++p) {
-    const uint8_t* wq = qs + (p0 + p) * panel_bytes;
-    const float* ws = scales + (p0 + p) * panel_floats;
-    const float* wm = mins == nullptr ? nullptr : mins + (p0 + p) * panel_floats;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = wq + b * block_bytes(Bits);
-      uint16_t* tile = buf + (b * np + p) * kTileElems;
-      __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
-      for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
-        const int64_t g = Group == 16 ? 2 * b + h : b;
-        spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
-      }
-      if constexpr (Bits == 8) {
-        for (int j = 0; j < 8; ++j) {
-          const int h = Group == 16 && j >= 4 ? 1 : 0;
-          quad_to_rows<kSigned>(_mm512_loadu_si512(blk + j * 64), scale[h], bias[h], tile + 64 * j,
-                                tile + 64 * j + 32);
-        }
-      } else {
-        const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
-        for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(blk + j * 64);
-          __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
-            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
-          }
-          quad_to_rows<false>(lo, scale[0], bias[0], tile + 64 * j, tile + 64 * j + 32);
-          quad_to_rows<false>(hi, scale[0], bias[0], tile + 64 * (j + 4), tile + 64 * (j + 4) + 32);
+  for (int64_t p = 0; p < np; ++p)
+    dequantize_panel<Bits, Group>(qs, scales, mins, zero, k, p0 + p, buf + p * kTileElems, np * kTileElems, 32);
+}
+#endif
+
+#if defined(PAGEDLLM_AMX)
+constexpr int64_t kChunkPanels = 4;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
+constexpr int64_t kRowBlock = 512;   // rows of x multiplied per dequantized chunk (a multiple of 32)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asking again is harmless.
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Tiles 0-3: C (16 rows x 16 float32); 4-5: A (16 rows x 32 bfloat16); 6-7: B (16 pairs x 16 x 2).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows r0..r0 + rows of x [.., k] as A tiles: a [rows / 16 rounded up][k / 32][16 x 32], each tile's
+// 1 KB contiguous, rows past the end zero.
+void pack_rows(const bf16* x, int64_t rows, int64_t k, uint16_t* a) {
+  const int64_t blocks = k / kBlock, tiles = (rows + 15) / 16;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t row = 16 * t + r;
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint16_t* dst = a + ((t * blocks + b) * 16 + r) * kBlock;
+        if (row < rows) {
+          std::memcpy(dst, x + row * k + b * kBlock, kBlock * sizeof(bf16));
+        } else {
+          std::memset(dst, 0, kBlock * sizeof(bf16));
         }
       }
     }
   }
 }
 
-// y[r][c] for every row r of x (rows of 32 from a, the last partial one from `tail`, 32 rows
-// zero-padded) and the chunk's columns c < cols, from the B tiles in buf.
-void multiply_chunk(const bf16* x, const bf16* tail, int64_t m, int64_t k, const uint16_t* buf, int64_t np,
-                    int64_t cols, bf16* y, int64_t ldy) {
-  const int64_t blocks = k / kBlock, stride = k * 2;
+// y[r][c] for rows r < m (A tiles in a, from pack_rows) and the chunk's columns c < cols, from
+// the B tiles in buf.
+void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf, int64_t np, int64_t cols, bf16* y,
+                    int64_t ldy) {
+  const int64_t blocks = k / kBlock;
   alignas(64) float c[32][32];
   for (int64_t r0 = 0; r0 < m; r0 += 32) {
     const int64_t rows = std::min<int64_t>(32, m - r0);
-    const bf16* a = rows == 32 ? x + r0 * k : tail;
+    const uint16_t* upper = a + (r0 / 16) * blocks * kTileElems;
+    const uint16_t* lower_tiles = upper + blocks * kTileElems;
     const bool lower = rows > 16;  // a last pass of at most 16 rows leaves the lower A tile out
     for (int64_t pp = 0; pp < np; pp += 2) {
       const bool two = pp + 1 < np;
@@ -154,7 +200,7 @@ void multiply_chunk(const bf16* x, const bf16* tail, int64_t m, int64_t k, const
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t b = 0; b < blocks; ++b) {
-        _tile_loadd(4, a + b * kBlock, stride);
+        _tile_loadd(4, upper + b * kTileElems, 64);
         _tile_loadd(6, buf + (b * np + pp) * kTileElems, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (two) {
@@ -162,7 +208,7 @@ void multiply_chunk(const bf16* x, const bf16* tail, int64_t m, int64_t k, const
           _tile_dpbf16ps(1, 4, 7);
         }
         if (lower) {
-          _tile_loadd(5, a + 16 * k + b * kBlock, stride);
+          _tile_loadd(5, lower_tiles + b * kTileElems, 64);
           _tile_dpbf16ps(2, 5, 6);
           if (two) _tile_dpbf16ps(3, 5, 7);
         }
@@ -186,23 +232,26 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
               const float* scales, const float* mins, int32_t zero) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (panels + kChunkPanels - 1) / kChunkPanels;
-  std::vector<bf16> tail;  // the last m % 32 rows, zero-padded to a whole pass of 32
-  if (m % 32 != 0) {
-    tail.assign(32 * k, bf16{0});
-    std::memcpy(tail.data(), x + (m - m % 32) * k, (m % 32) * k * sizeof(bf16));
-  }
+  // Rows in blocks of kRowBlock, each chunk dequantized again per block, so that a block of x
+  // stays in L2 beside the chunk rather than streaming from L3 once per chunk.
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  std::vector<uint16_t> a((std::min(m, kRowBlock) + 31) / 32 * 32 * k);
 #pragma omp parallel
   {
     configure_tiles();
     static thread_local std::vector<uint16_t> buf;
     const size_t need = static_cast<size_t>(k / kBlock * kChunkPanels * kTileElems);
     if (buf.size() < need) buf.resize(need);
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t r0 = rb * kRowBlock, rows = std::min(kRowBlock, m - r0);
+      pack_rows(x + r0 * k, rows, k, a.data());  // ends in the omp for's barrier
 #pragma omp for schedule(static)
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t p0 = chunk * kChunkPanels, np = std::min(kChunkPanels, panels - p0);
-      dequantize_chunk<Bits, Group>(qs, scales, mins, zero, k, p0, np, buf.data());
-      multiply_chunk(x, tail.data(), m, k, buf.data(), np, std::min(np * kPanel, n - p0 * kPanel), y + p0 * kPanel,
-                     ldy);
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        const int64_t p0 = chunk * kChunkPanels, np = std::min(kChunkPanels, panels - p0);
+        dequantize_chunk<Bits, Group>(qs, scales, mins, zero, k, p0, np, buf.data());
+        multiply_chunk(a.data(), rows, k, buf.data(), np, std::min(np * kPanel, n - p0 * kPanel),
+                       y + r0 * ldy + p0 * kPanel, ldy);
+      }
     }
     _tile_release();
   }
@@ -238,5 +287,30 @@ PAGEDLLM_API void quant_amx_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t
 #else
   (void)x, (void)y, (void)m, (void)n, (void)k, (void)ldy, (void)qs, (void)scales, (void)mins, (void)bits;
   (void)group, (void)zero;
+#endif
+}
+
+// 1 where this build can write oneDNN's blocked bfloat16 layout (AVX512-BF16).
+PAGEDLLM_API int64_t dequantize_blocked_available() {
+#if defined(PAGEDLLM_BF16_PAIRS)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// The panel-packed weight [n, k] (n a multiple of 32) dequantized to bfloat16 in oneDNN's blocked
+// layout at `out` (see dequantize_blocked); a no-op where dequantize_blocked_available() is 0.
+PAGEDLLM_API void dequantize_blocked_bf16(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
+                                          int64_t group, int64_t zero, int64_t n, int64_t k, bf16* out) {
+#if defined(PAGEDLLM_BF16_PAIRS)
+  const int32_t z = static_cast<int32_t>(zero);
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  if (bits == 4) return pagedllm::dequantize_blocked<4, 32>(qs, scales, mins, z, n, k, o);
+  if (bits == 5) return pagedllm::dequantize_blocked<5, 32>(qs, scales, mins, z, n, k, o);
+  if (group == 16) return pagedllm::dequantize_blocked<8, 16>(qs, scales, mins, z, n, k, o);
+  return pagedllm::dequantize_blocked<8, 32>(qs, scales, mins, z, n, k, o);
+#else
+  (void)qs, (void)scales, (void)mins, (void)bits, (void)group, (void)zero, (void)n, (void)k, (void)out;
 #endif
 }
