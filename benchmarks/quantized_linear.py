@@ -4,10 +4,13 @@
                                           [--rows 1 2 4 8 16 32 64 128 512] [--rounds 5]
 
 One pass runs every projection of every layer, and the LM head, as a step of `rows` rows does,
-so the weights come from memory as in the engine.  Three ways, alternated round by round:
+so the weights come from memory as in the engine.  The ways, alternated round by round:
 - `int`: the integer kernels on the quantized blocks (csrc/quant_gemm.cpp);
-- `deq+gemm`: the quantized weight dequantized into a scratch matrix, then a float GEMM (what a
-  QuantizedLinear does past its row limit);
+- `amx` (bfloat16 on a CPU with AMX-BF16): the tile kernel, which dequantizes a few panels at a
+  time into the thread's cache (csrc/quant_amx.cpp);
+- `blocked` (bfloat16, AVX512-BF16): the weight dequantized into oneDNN's blocked layout, then
+  oneDNN's GEMM;
+- `deq+gemm`: the weight dequantized into a plain scratch W^T, then a float GEMM;
 - `dense`: the dequantized weights as the engine holds them with `weights=dequantized` (oneDNN
   with its packed copy, the small-batch kernels where they run).
 Median ms per pass (min-max).  `QuantizedLinear`'s row limit comes from these crossovers.

@@ -1,17 +1,21 @@
-// y = x W^T for many rows of bfloat16 x on weights kept quantized, with Intel AMX tiles.
+// Many-row steps on weights kept quantized, in bfloat16: what runs above the integer kernels'
+// row limit (pagedllm/layers/quantized.py picks per step).
 //
-// A step of many rows (a prompt chunk, a large batch) is bound by multiply-adds, not by reading
-// the weight, and AMX's `tdpbf16ps` does 16 x 16 x 32 of them per instruction.  Each thread takes
+// `quant_amx_gemm` (17 to a few hundred rows, CPUs with AMX-BF16): each thread takes
 // kChunkPanels panels of the weight (the panel layout of quant_gemm.cpp), dequantizes them into a
 // buffer laid out as AMX B tiles (per block of 32 k values, 16 rows of 16 columns x 2 consecutive
-// k values), and multiplies every row of x against it, 32 rows x 32 columns per pass with float32
-// accumulation.  The dequantized chunk (64 columns x k) stays in the thread's L2 cache: the step
-// reads the quantized bytes once and writes no dense copy of the weight.  Values are dequantized
-// as scale * u + (min - zero * scale) in float32, then rounded to bfloat16 (nearest even), as the
-// dequantized model's weights are.
+// k values), and multiplies the rows of x against it with `tdpbf16ps`, 32 rows x 32 columns per
+// pass, float32 accumulation.  The dequantized chunk (64 columns x k) stays in the thread's
+// cache: the step reads the quantized bytes and writes no dense copy of the weight.
 //
-// Built only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
-// quant_amx_available() returns 0 and callers take the other paths.
+// `dequantize_blocked` (more rows, AVX512-BF16): the whole weight dequantized into the blocked
+// layout oneDNN packs a bfloat16 linear weight in, so that oneDNN's GEMM (faster than the tile
+// kernel above, measured) runs on it as on the dequantized model's packed weight.
+//
+// Values are dequantized as scale * u + (min - zero * scale) in float32, then rounded to bfloat16
+// (nearest even), as the dequantized model's weights are.  Built where the compiler targets
+// AVX512-BF16 (and AMX-BF16 for the tiles, -march=native on such a CPU); elsewhere the
+// `*_available()` functions return 0 and callers take the other paths.
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
