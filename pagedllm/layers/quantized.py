@@ -12,8 +12,10 @@ quantize the activations to signed bytes per block of 32 (as llama.cpp does) and
 weight's bytes once per tile of rows: a decode step reads about 5x fewer weight bytes than
 on bfloat16 weights (10x fewer than on float32).  Steps of more rows (prompt chunks,
 large batches) are bound by multiply-adds instead, and run in the model's dtype on the weight
-dequantized: in bfloat16 on a CPU with AMX-BF16, by the tile kernel (csrc/quant_amx.cpp),
-which dequantizes a few panels at a time into the thread's cache; elsewhere into a scratch
+dequantized.  In bfloat16 on a CPU with AMX-BF16, up to `tile_max_rows` rows go to the tile
+kernel (csrc/quant_amx.cpp), which dequantizes a few panels at a time into the thread's cache;
+more rows to oneDNN's GEMM on the weight dequantized straight into oneDNN's blocked layout (a
+packed tensor per shape, reused).  Elsewhere the weight is dequantized into a plain scratch
 matrix for a float GEMM (`python benchmarks/quantized_linear.py` measures each way).  These
 take the activations as they are, so such a step computes what the dequantized model would
 (up to the order of float additions); a request's tokens can therefore depend on how
