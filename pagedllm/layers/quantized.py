@@ -45,6 +45,7 @@ INT_MAX_ROWS = 128
 INT_MAX_ROWS_AMX_TILES = 16  # bfloat16, with csrc/quant_amx.cpp
 INT_MAX_ROWS_AMX = 64  # bfloat16 where only oneDNN's GEMM has the AMX tiles
 TILE_MAX_ROWS = 160
+BLOCKED_MAX_VALUES = 1 << 24  # the largest weight given a dense scratch copy (32 MiB in bfloat16)
 
 
 def quantized_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
@@ -215,9 +216,19 @@ class QuantizedLinear:
         self.small_weight = None  # not packed for the float small-batch kernels
         self.kernels = kernels
         self.max_rows = max_rows
-        self.tile_max_rows = (TILE_MAX_ROWS if kernels.quant_amx else 0) if tile_max_rows is None else tile_max_rows
+        # A weight larger than a layer's (an LM head: Gemma 3's is 168M values) would need a
+        # dense scratch copy of hundreds of MiB for the blocked path: the tile kernel, which
+        # needs none, takes all its many-row steps instead.
+        large = self.out_features * parts[0].cols > BLOCKED_MAX_VALUES
+        if tile_max_rows is None:
+            tile_max_rows = (1 << 62 if large else TILE_MAX_ROWS) if kernels.quant_amx else 0
+        self.tile_max_rows = tile_max_rows
         if blocked is None:
-            blocked = kernels.dequantize_blocked_bf16 and onednn_blocked_layout(self.out_features, parts[0].cols)
+            blocked = (
+                not large
+                and kernels.dequantize_blocked_bf16
+                and onednn_blocked_layout(self.out_features, parts[0].cols)
+            )
         self.blocked = blocked and all(p.rows % 32 == 0 for p in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
