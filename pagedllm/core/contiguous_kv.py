@@ -67,17 +67,21 @@ class ContiguousKVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
         """No prefix caching in this layout: sharing needs blocks that can sit in several tables."""
         return []
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, token_ids: list[int], num_computed_tokens: int, salt: bytes = b""
+    ) -> None:
         pass
 
     def begin_step(self) -> None:
         pass
 
-    def mark_pending(self, request_id: str, token_ids: list[int], num_tokens_after_step: int) -> None:
+    def mark_pending(
+        self, request_id: str, token_ids: list[int], num_tokens_after_step: int, salt: bytes = b""
+    ) -> None:
         pass
 
     def allocate_slots(

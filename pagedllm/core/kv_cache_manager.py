@@ -125,7 +125,13 @@ class KVCacheManager:
 
     # --- prefix cache ------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def _root(self, salt: bytes) -> bytes:
+        """The key a request's first block chains from: the cache's own, or with the request's salt
+        (anything besides its tokens that changes its KV, such as a length-dependent RoPE's
+        frequencies) mixed in."""
+        return self.root_key if not salt else hashlib.sha256(self.root_key + salt).digest()
+
+    def find_cached_prefix(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
         """Cached blocks holding the longest run of the request's leading full blocks (G entries each,
         a sliding group's FREED where the first position to compute no longer sees them).
 
@@ -136,7 +142,7 @@ class KVCacheManager:
             return []
         bs, num_groups = self.block_size, self.num_groups
         found: list[list[int | None]] = []  # per block: each group's cached block, or None
-        parent = self.root_key
+        parent = self._root(salt)
         for index in range((len(token_ids) - 1) // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
             entries = [self._lookup(self._group_key(parent, g)) for g in range(num_groups)]
@@ -161,13 +167,15 @@ class KVCacheManager:
         """A new step: blocks pending from the last one are computed (and cached) or abandoned."""
         self._pending.clear()
 
-    def mark_pending(self, request_id: str, token_ids: list[int], num_tokens_after_step: int) -> None:
+    def mark_pending(
+        self, request_id: str, token_ids: list[int], num_tokens_after_step: int, salt: bytes = b""
+    ) -> None:
         """The request's blocks that this step fills become findable by requests admitted after it."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables[request_id]
         bs, num_groups = self.block_size, self.num_groups
-        parent = self.root_key
+        parent = self._root(salt)
         for index in range(num_tokens_after_step // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
             for g in range(num_groups):
@@ -175,7 +183,9 @@ class KVCacheManager:
                 if block != FREED and self.pool.lookup(key) is None:
                     self._pending.setdefault(key, block)
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, token_ids: list[int], num_computed_tokens: int, salt: bytes = b""
+    ) -> None:
         """Name and register the request's blocks that its computed tokens have filled."""
         if not self.enable_prefix_caching:
             return
@@ -184,7 +194,7 @@ class KVCacheManager:
             return
         keys = self.block_keys.setdefault(request_id, [])
         bs, num_groups = self.block_size, self.num_groups
-        parent = keys[-1] if keys else self.root_key
+        parent = keys[-1] if keys else self._root(salt)
         for index in range(len(keys), num_computed_tokens // bs):
             parent = block_key(parent, token_ids[index * bs : (index + 1) * bs])
             keys.append(parent)

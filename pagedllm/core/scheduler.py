@@ -15,6 +15,7 @@ back all its blocks and waits, to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
@@ -38,6 +39,10 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         return self.request.token_ids[self.start : self.start + self.num_new_tokens]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
 
     @property
     def num_samples(self) -> int:
@@ -75,7 +80,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefill_tokens_with_decodes: int | None = None,
+        prompt_salt: Callable[[int], bytes] | None = None,
     ) -> None:
+        """`prompt_salt`: what, given a prompt's length, besides its tokens makes a request's KV
+        differ (mixed into its prefix-cache keys); None: nothing."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -86,6 +94,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_tokens_with_decodes = prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
+        self.prompt_salt = prompt_salt
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -104,6 +113,9 @@ class Scheduler:
                 "lower max_tokens or raise kv_cache_memory"
             )
         self.waiting.append(request)
+
+    def _salt(self, request: Request) -> bytes:
+        return b"" if self.prompt_salt is None else self.prompt_salt(request.num_prompt_tokens)
 
     @property
     def num_unfinished(self) -> int:
@@ -128,7 +140,9 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request preempted itself: it was the latest arrival
             if num_new > 1:  # a prefill chunk: its full blocks can serve this step's admissions
-                self.kv_cache.mark_pending(request.request_id, request.token_ids, request.num_computed_tokens + num_new)
+                self.kv_cache.mark_pending(
+                    request.request_id, request.token_ids, request.num_computed_tokens + num_new, self._salt(request)
+                )
             output.scheduled.append(self._chunk(request, num_new))
             budget -= num_new
             index += 1
@@ -146,7 +160,7 @@ class Scheduler:
                 output.admission_blocked_by = "max_num_seqs"
                 break
             request = self.waiting[0]
-            cached = self.kv_cache.find_cached_prefix(request.token_ids)
+            cached = self.kv_cache.find_cached_prefix(request.token_ids, self._salt(request))
             num_cached = self.kv_cache.cached_tokens(cached)
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             if (
@@ -161,7 +175,7 @@ class Scheduler:
                 self.prefix_cache_hit_tokens += num_cached
             request.num_computed_tokens = num_cached
             # Later admissions of this step may share the prompt blocks this chunk computes.
-            self.kv_cache.mark_pending(request.request_id, request.token_ids, num_cached + num_new)
+            self.kv_cache.mark_pending(request.request_id, request.token_ids, num_cached + num_new, self._salt(request))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(self._chunk(request, num_new))
@@ -228,7 +242,9 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             # Before a possible finish frees them, so a finished prompt stays findable.
-            self.kv_cache.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.kv_cache.cache_full_blocks(
+                request.request_id, request.token_ids, request.num_computed_tokens, self._salt(request)
+            )
             for child in chunk.forks:
                 request.forks.remove(child)
                 self.fork(request, child)

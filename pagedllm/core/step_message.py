@@ -15,7 +15,8 @@ the increments, so after each message its tables equal the scheduler's.
 Wire format: one flat list of int32, `[kind, ...]`:
 
     STEP:  STEP, num_chunks, num_copies, num_released,
-           per chunk: seq, start, num_new, num_samples, keep, num_appended, token ids..., block ids...,
+           per chunk: seq, start, num_new, num_samples, num_prompt, keep, num_appended, token ids...,
+           block ids...,
            per copy: source, destination,
            released seq handles...
     SHUTDOWN
@@ -40,6 +41,7 @@ class Chunk(Protocol):
     start: int
     num_new_tokens: int
     num_samples: int
+    num_prompt_tokens: int  # the request's prompt length (a length-dependent RoPE reads it)
 
     @property
     def token_ids(self) -> list[int]: ...
@@ -57,6 +59,7 @@ class ChunkPlan:
     token_ids: list[int]
     block_table: list[int]
     num_samples: int
+    num_prompt_tokens: int
 
     @property
     def num_new_tokens(self) -> int:
@@ -77,6 +80,7 @@ class _WireChunk:
     start: int
     token_ids: list[int]
     num_samples: int
+    num_prompt_tokens: int
     keep: int
     appended: list[int]
 
@@ -119,11 +123,17 @@ class StepEncoder:
             table = chunk.block_table
             sent = self.sent_tables.get(handle, [])
             keep = _common_prefix(sent, table)
-            wire.append(_WireChunk(handle, chunk.start, chunk.token_ids, chunk.num_samples, keep, table[keep:]))
+            wire.append(
+                _WireChunk(
+                    handle, chunk.start, chunk.token_ids, chunk.num_samples, chunk.num_prompt_tokens, keep, table[keep:]
+                )
+            )
             self.sent_tables[handle] = list(table)
         message = array("i", [STEP, len(wire), len(block_copies), len(self._released)])
         for c in wire:
-            message.extend((c.seq, c.start, len(c.token_ids), c.num_samples, c.keep, len(c.appended)))
+            message.extend(
+                (c.seq, c.start, len(c.token_ids), c.num_samples, c.num_prompt_tokens, c.keep, len(c.appended))
+            )
             message.extend(c.token_ids)
             message.extend(c.appended)
         for source, destination in block_copies:
@@ -156,8 +166,8 @@ class WorkerBlockTables:
         pos = 4
         plan = StepPlan()
         for _ in range(num_chunks):
-            seq, start, num_new, num_samples, keep, num_appended = message[pos : pos + 6]
-            pos += 6
+            seq, start, num_new, num_samples, num_prompt, keep, num_appended = message[pos : pos + 7]
+            pos += 7
             token_ids = list(message[pos : pos + num_new])
             pos += num_new
             table = self.tables.get(seq, [])
@@ -165,7 +175,7 @@ class WorkerBlockTables:
                 raise ValueError(f"message keeps {keep} blocks of sequence {seq}, which has {len(table)}")
             table = self.tables[seq] = table[:keep] + list(message[pos : pos + num_appended])
             pos += num_appended
-            plan.chunks.append(ChunkPlan(seq, start, token_ids, table, num_samples))
+            plan.chunks.append(ChunkPlan(seq, start, token_ids, table, num_samples, num_prompt))
         for _ in range(num_copies):
             plan.block_copies.append((message[pos], message[pos + 1]))
             pos += 2

@@ -76,7 +76,9 @@ class LLMEngine:
             )
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)
-            if built.device != "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1:
+            # A length-dependent RoPE reads per-token lengths that the captured graphs do not carry.
+            graphs_fit = not built.model.rotary.length_dependent
+            if built.device != "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1 and graphs_fit:
                 from pagedllm.execution.cuda_graphs import DecodeGraphs
 
                 self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, built.max_model_len)
@@ -116,8 +118,13 @@ class LLMEngine:
             self.kv_cache = KVCacheManager(
                 num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
             )
+        rotary = built.model.rotary
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_batched_tokens, config.max_num_seqs, config.prefill_tokens_with_decodes
+            self.kv_cache,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.prefill_tokens_with_decodes,
+            prompt_salt=rotary.cache_salt if rotary.length_dependent else None,
         )
         tokens = num_blocks * config.block_size
         c = model_config

@@ -42,6 +42,9 @@ class StepTensors:
     positions: torch.Tensor
     meta: list[AttentionMetadata]  # per layer: its group's (one object shared by a group's layers)
     logits_rows: torch.Tensor  # per sampled token (n>1 forks included): the row whose hidden state gives its logits
+    # Per token, the sequence length its rotary is for: max(position + 1, prompt length); only where
+    # the model's RoPE depends on it (pagedllm/layers/rotary.py), else None.
+    rope_lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,7 +136,11 @@ class ModelRunner:
             build_attention_metadata(slots_t[g], query_start_loc, seq_lens, tables_t[g], starts_t, lengths_t)
             for g in range(num_groups)
         ]
-        return StepTensors(ids_t, positions_t, [metas[g] for g in self.groups.layer_group], rows_t)
+        rope_lengths = None
+        if self.model.rotary.length_dependent:
+            prompt_lens = np.repeat([c.num_prompt_tokens for c in chunks], lens)
+            rope_lengths = self.to_device(torch.from_numpy(np.maximum(positions + 1, prompt_lens)))
+        return StepTensors(ids_t, positions_t, [metas[g] for g in self.groups.layer_group], rows_t, rope_lengths)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """`host` on the runner's device: staged in pinned memory and copied without waiting on CUDA
@@ -236,7 +243,7 @@ class ModelRunner:
             if logits is not None:  # a decode-only step that a captured graph covers
                 return logits
         step = self.prepare(chunks)
-        hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, step.rope_lengths)
         if not step.logits_rows.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))

@@ -131,7 +131,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     native = use_native_weights(config, path, device, tp, ops)
     model_config, weights = load_weights(path, keep_quantized=native)
     check_tensor_parallel_size(model_config, tp.size)
-    max_model_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+    max_model_len = check_max_model_len(config.max_model_len, model_config.context_length)
     shard = ShardLayout.for_rank(model_config, tp)
 
     attention = select_attention(config.attention, model_config.head_dim, device)

@@ -62,7 +62,8 @@ def check_max_model_len(requested: int | None, model_max_len: int) -> int:
     if requested > model_max_len:
         raise ValueError(
             f"max_model_len {requested} is longer than this model's context length of {model_max_len} tokens "
-            f"(max_position_embeddings); pass --max-model-len {model_max_len} or less"
+            f"(max_position_embeddings, times a RoPE scaling factor that extends it); "
+            f"pass --max-model-len {model_max_len} or less"
         )
     return requested
 

@@ -60,7 +60,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
     "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
     "add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], _F32 + _BF16),
-    "rope_write_kv": ([_P] * 8 + [_I] * 4, _F32 + _BF16),
+    "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16),
     "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gemma_norm": ([_P] * 3 + [_I] * 4 + [_F], _F32 + _BF16),
@@ -275,15 +275,20 @@ class CpuKernels:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         num_heads: int,
+        rotary_dim: int | None = None,
     ) -> torch.Tensor:
         """Rotary on q and k of the fused QKV rows; k and v written at their cache slots; returns q
-        [tokens, num_heads, head_dim].  cos/sin: float32 [max_len, head_dim / 2]."""
+        [tokens, num_heads, head_dim].  cos/sin: float32 [rows, rotary_dim / 2], token t reading row
+        positions[t]; the first rotary_dim dims of each head rotate (default: all), the rest pass."""
         _, _, _, kv_heads, head_dim = kv_cache.shape
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim or cos.shape[-1] != rotary_dim // 2:
+            raise ValueError(f"rotary_dim {rotary_dim} does not fit head_dim {head_dim} and tables {tuple(cos.shape)}")
         _check(qkv, positions, cos, sin, kv_cache, slot_mapping)
         q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
         self._fn("rope_write_kv", qkv.dtype)(
             _ptr(qkv), _ptr(q), _ptr(kv_cache[0]), _ptr(kv_cache[1]), _ptr(positions), _ptr(slot_mapping),
-            _ptr(cos), _ptr(sin), qkv.shape[0], num_heads, kv_heads, head_dim,
+            _ptr(cos), _ptr(sin), qkv.shape[0], num_heads, kv_heads, head_dim, rotary_dim,
         )  # fmt: skip
         return q
 

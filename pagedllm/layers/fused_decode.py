@@ -44,7 +44,8 @@ class _Projection(ctypes.Structure):  # csrc/decode_layers.cpp's Projection
 
 class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")]
-    _fields_ += [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
+    _fields_ += [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ += [("window", ctypes.c_int64), ("rotary_dim", ctypes.c_int64)]
 
 
 def fusable(linear: Linear | QuantizedLinear) -> bool:
@@ -88,6 +89,7 @@ class FusedLayer:
     gate_up_proj: Linear | QuantizedLinear
     down_proj: Linear | QuantizedLinear
     window: int
+    rotary_dim: int  # dims of each head that rotate (0: none)
 
 
 def fused_decode_enabled() -> bool:
@@ -110,6 +112,7 @@ class FusedDecode:
         head_dim: int,
         eps: float,
     ) -> None:
+        """cos/sin: float32 tables [positions, rotary_dim / 2], rows read at each token's position."""
         linears = [
             lin for layer in layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
@@ -150,7 +153,7 @@ class FusedDecode:
             qkv, o, gate_up, down = (ctypes.addressof(p) for p in projections)
             entry.qkv, entry.o, entry.gate_up, entry.down = qkv, o, gate_up, down
             entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
-            entry.window = layer.window
+            entry.window, entry.rotary_dim = layer.window, layer.rotary_dim
         self._shape.block = kv_caches[0].shape[2]
         self._bound = key
 

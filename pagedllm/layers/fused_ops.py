@@ -19,24 +19,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.attention import write_kv
 from pagedllm.layers.cpu_kernels import CpuKernels, load_cpu_kernels
-
-
-class Rotary:
-    """cos/sin tables for every position up to the model's length, built once (float32, and in the
-    model's dtype for the torch path, as Hugging Face casts them)."""
-
-    def __init__(self, head_dim: int, theta: float, max_len: int, dtype: torch.dtype) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        self.cos32, self.sin32 = angles.cos().contiguous(), angles.sin().contiguous()
-        self.cos, self.sin = self.cos32.to(dtype), self.sin32.to(dtype)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [tokens, heads, head_dim], rotating the two halves of head_dim (HF order)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+from pagedllm.layers.rotary import RotaryStep
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,8 +50,7 @@ class TorchOps:
     def rope_write_kv(
         self,
         qkv: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rotary: RotaryStep,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         num_heads: int,
@@ -77,8 +59,8 @@ class TorchOps:
         _, _, _, kv_heads, head_dim = kv_cache.shape
         q_size, kv_size = num_heads * head_dim, kv_heads * head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = rotary.apply(q.view(-1, num_heads, head_dim), positions)
-        k = rotary.apply(k.view(-1, kv_heads, head_dim), positions)
+        q = rotary.apply(q.reshape(-1, num_heads, head_dim))
+        k = rotary.apply(k.reshape(-1, kv_heads, head_dim))
         write_kv(kv_cache, k, v, slot_mapping)
         return q
 
@@ -115,13 +97,14 @@ class CppOps:
     def rope_write_kv(
         self,
         qkv: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rotary: RotaryStep,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         num_heads: int,
     ) -> torch.Tensor:
-        return self.kernels.rope_write_kv(qkv, positions, rotary.cos32, rotary.sin32, kv_cache, slot_mapping, num_heads)
+        return self.kernels.rope_write_kv(
+            qkv, rotary.index, rotary.cos32, rotary.sin32, kv_cache, slot_mapping, num_heads, rotary.rotary_dim
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)

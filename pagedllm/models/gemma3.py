@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.fused_ops import LayerOps, Rotary
+from pagedllm.layers.fused_ops import LayerOps
 from pagedllm.layers.quantized import QuantizedWeight
+from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedSetup, per_layer
@@ -54,10 +55,9 @@ class Gemma3DecoderLayer(DecoderLayer):
         self,
         delta: torch.Tensor | None,
         residual: torch.Tensor,
-        positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rotary: Rotary,
+        rotary: RotaryStep,
         attention: AttentionFn,
         ops: LayerOps,
     ) -> torch.Tensor:
@@ -66,7 +66,7 @@ class Gemma3DecoderLayer(DecoderLayer):
             residual.add_(delta)
         qkv = linears["qkv_proj"](norm(residual, self.input_norm, eps))
         self.normalize_heads(qkv, ops)
-        q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        q = ops.rope_write_kv(qkv, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
@@ -85,6 +85,7 @@ class Gemma3Model(LlamaModel):
         super().__init__(config, dtype, max_len, attention, tp, ops)
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=torch.float32), requires_grad=False)
         self.local_rotary = Rotary(config.head_dim, config.rope_local_theta or config.rope_theta, max_len, dtype)
+        self.layer_rotary = [self.local_rotary if layer.window else self.rotary for layer in self.layers]
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
 
     def load_hf_weights(
@@ -109,9 +110,6 @@ class Gemma3Model(LlamaModel):
                     getattr(layer, name).add_(1.0)
             self.norm.add_(1.0)
 
-    def rotary_for(self, layer: DecoderLayer) -> Rotary:
-        return self.local_rotary if layer.window else self.rotary
-
     @torch.inference_mode()
     def forward(
         self,
@@ -119,11 +117,14 @@ class Gemma3Model(LlamaModel):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
+        rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual, delta = self.embed(input_ids) * self.embed_scale, None
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
-            rotary = self.rotary_for(layer)
-            delta = layer(delta, residual, positions, kv_cache, layer_meta, rotary, self.attention, self.ops)
+        layers = zip(
+            self.layers, kv_caches, per_layer(meta, len(self.layers)), self.step_rotary(positions, rope_lengths)
+        )
+        for layer, kv_cache, layer_meta, rotary in layers:
+            delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops)
         residual.add_(delta)
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 

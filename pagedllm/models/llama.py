@@ -4,7 +4,11 @@ Q/K/V and gate/up projections are fused into one matmul each.
 
 The same layers run the architectures that differ from llama only in details
 (`ModelConfig` says which): Mistral (a sliding window), Qwen2 (biases on q, k
-and v) and Qwen3 (an RMSNorm over each head of q and of k, before rotary)."""
+and v), Qwen3 (an RMSNorm over each head of q and of k, before rotary), Phi-3
+(q/k/v and gate/up stored fused already, LongRoPE, partial rotary), SmolLM3
+(no rotary in every fourth layer) and Granite (multipliers on the embeddings,
+the residual branches, q.k and the logits).  Every RoPE variant is a table
+(pagedllm/layers/rotary.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ from torch import nn
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import CpuKernels
 from pagedllm.layers.fused_decode import FusedDecode, FusedLayer, fusable
-from pagedllm.layers.fused_ops import LayerOps, Rotary, TorchOps, rms_norm
+from pagedllm.layers.fused_ops import LayerOps, TorchOps, rms_norm
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized import PackedWeight, QuantizedLinear, QuantizedWeight, pack, quantized_embedding
+from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.sharding import ShardLayout
@@ -98,12 +103,25 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.empty(c.head_dim, dtype=dtype), requires_grad=False) if c.qk_norm else None
         self.linears: dict[str, Linear | QuantizedLinear] = {}
         self.quantized: dict[str, list[QuantizedWeight]] = {}  # projections kept quantized (weights=native)
+        # Granite: q scaled so that the kernels' head_dim ** -0.5 makes attention_multiplier; each
+        # branch's output times residual_multiplier before it joins the residual.
+        self.q_scale = 1.0 if c.attention_multiplier is None else c.attention_multiplier * c.head_dim**0.5
+        self.residual_multiplier = c.residual_multiplier
+
+    # The projections this layer holds, each with its checkpoint names: (the name of the weight
+    # stored fused, as Phi-3 stores it, or None; the names of its parts, stacked by rows).
+    projection_sources = {
+        "qkv_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        "o_proj": (None, ("self_attn.o_proj",)),
+        "gate_up_proj": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        "down_proj": (None, ("mlp.down_proj",)),
+    }
 
     def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
         """Build the projections from the loaded weights; the Linear's copies (oneDNN's packed one,
         and the small-batch kernels' where they run) replace the weight.  Projections kept
         quantized become QuantizedLinears (`quantized` says how)."""
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in self.projection_sources:
             param = getattr(self, name)
             if name in self.quantized:
                 if quantized is None:
@@ -118,10 +136,9 @@ class DecoderLayer(nn.Module):
         self,
         delta: torch.Tensor | None,
         residual: torch.Tensor,
-        positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rotary: Rotary,
+        rotary: RotaryStep,
         attention: AttentionFn,
         ops: LayerOps,
     ) -> torch.Tensor:
@@ -134,12 +151,23 @@ class DecoderLayer(nn.Module):
             qkv += self.qkv_bias
         if self.q_norm is not None:
             self.normalize_heads(qkv, ops)
-        q = ops.rope_write_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        q = ops.rope_write_kv(qkv, rotary, kv_cache, meta.slot_mapping, self.num_heads)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
         attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
+        if self.residual_multiplier != 1.0:
+            attn = attn * self.residual_multiplier
 
         h = ops.add_rms_norm(attn, residual, self.post_norm, self.eps)
-        return self.tp.all_reduce(linears["down_proj"](ops.silu_mul(linears["gate_up_proj"](h))))
+        out = self.mlp(h, ops)
+        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
+
+    def mlp(self, h: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.tp.all_reduce(self.linears["down_proj"](ops.silu_mul(self.linears["gate_up_proj"](h))))
+
+    def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedSetup | None) -> None:
+        """Weights a layer subclass holds beyond the llama layer's (none here)."""
 
     def normalize_heads(self, qkv: torch.Tensor, ops: LayerOps) -> None:
         """Qwen3's q/k norm, in place on the fused QKV rows: RMSNorm over each head's dims."""
@@ -175,7 +203,7 @@ class LlamaModel(nn.Module):
         vocab_rows = shard.vocab_shard
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            self.layer_class(config, dtype, shard, tp, window) for window in config.layer_windows
+            self.layer_class_for(i)(config, dtype, shard, tp, window) for i, window in enumerate(config.layer_windows)
         )
         self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
@@ -183,12 +211,21 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(vocab_rows, config.hidden_size, dtype=dtype), requires_grad=False)
         )
-        self.rotary = Rotary(config.head_dim, config.rope_theta, max_len, dtype)
+        self.rotary = Rotary(
+            config.head_dim, config.rope_theta, max_len, dtype,
+            config.rope_scaling, config.rotary_dim, config.max_position_embeddings,
+        )  # fmt: skip
+        no_rotary = Rotary(config.head_dim, config.rope_theta, 1, dtype, rotary_dim=0)
+        self.layer_rotary = [self.rotary if rope else no_rotary for rope in config.layer_rope]
         self.lm_head_linear: Linear | QuantizedLinear | None = None
         self.embed_packed: PackedWeight | None = None  # the embedding table, where it is kept quantized
         # Decode-only steps in one C++ call: set by the execution layer (pagedllm/execution/rank_model.py)
         # from `build_fused_decode` where it chose the C++ kernels; None runs the layer loop.
         self.fused_decode: FusedDecode | None = None
+
+    def layer_class_for(self, index: int) -> type[DecoderLayer]:
+        """The class of layer `index` (one class for every layer, unless a model mixes kinds)."""
+        return self.layer_class
 
     def load_hf_weights(
         self,
@@ -226,13 +263,11 @@ class LlamaModel(nn.Module):
                 p = f"layers.{i}."
                 layer.input_norm.copy_(take(p + "input_layernorm.weight"))
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-                projections = {
-                    "qkv_proj": fuse([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
-                    "o_proj": fuse([take(p + "self_attn.o_proj.weight")]),
-                    "gate_up_proj": fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    "down_proj": fuse([take(p + "mlp.down_proj.weight")]),
-                }
-                for name, weight in projections.items():
+                for name, (fused_name, part_names) in layer.projection_sources.items():
+                    if fused_name is not None and p + fused_name + ".weight" in weights:
+                        weight = fuse([take(p + fused_name + ".weight")])
+                    else:
+                        weight = fuse([take(p + part + ".weight") for part in part_names])
                     param = getattr(layer, name)
                     if isinstance(weight, list) and quantized is None:
                         weight = torch.cat([w.dequantize() for w in weight])
@@ -246,6 +281,7 @@ class LlamaModel(nn.Module):
                 if layer.q_norm is not None:
                     layer.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
                     layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
+                layer.load_extra_weights(weights, p, quantized)
         kernels = self.ops.small_batch if small_batch else None
         for layer in self.layers:
             layer.prepare_linears(linear_backend, kernels, quantized)
@@ -273,6 +309,8 @@ class LlamaModel(nn.Module):
         c = self.config
         if type(self) is not LlamaModel or c.attention_bias or c.qk_norm or self.tp.size != 1:
             return None
+        if self.rotary.length_dependent or c.residual_multiplier != 1.0 or c.attention_multiplier is not None:
+            return None
         linears = [
             layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         ]
@@ -287,8 +325,9 @@ class LlamaModel(nn.Module):
                 layer.linears["gate_up_proj"],
                 layer.linears["down_proj"],
                 layer.window,
+                rotary.rotary_dim,
             )  # fmt: skip
-            for layer in self.layers
+            for layer, rotary in zip(self.layers, self.layer_rotary)
         ]
         first = self.layers[0]
         return FusedDecode(
@@ -309,14 +348,30 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
+        rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`kv_caches` and (with layer groups, core/layer_groups.py) `meta`: one per layer."""
+        """`kv_caches` and (with layer groups, core/layer_groups.py) `meta`: one per layer.
+        `rope_lengths`: per token, the sequence length its rotary is for (see layers/rotary.py);
+        needed only where `self.rotary.length_dependent`."""
         residual, delta = self.embed(input_ids), None
+        if self.config.embedding_multiplier != 1.0:
+            residual = residual * self.config.embedding_multiplier
         if self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
             return self.fused_decode(residual, positions, kv_caches, meta)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
-            delta = layer(delta, residual, positions, kv_cache, layer_meta, self.rotary, self.attention, self.ops)
+        layers = zip(
+            self.layers, kv_caches, per_layer(meta, len(self.layers)), self.step_rotary(positions, rope_lengths)
+        )
+        for layer, kv_cache, layer_meta, rotary in layers:
+            delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops)
         return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
+
+    def step_rotary(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None) -> list[RotaryStep]:
+        """Each layer's rotary for this step's tokens (each distinct table looked up once)."""
+        steps: dict[int, RotaryStep] = {}
+        for rotary in self.layer_rotary:
+            if id(rotary) not in steps:
+                steps[id(rotary)] = rotary.for_step(positions, rope_lengths)
+        return [steps[id(rotary)] for rotary in self.layer_rotary]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_packed is not None:
@@ -334,6 +389,8 @@ class LlamaModel(nn.Module):
         """float32 logits [rows, vocab]; under tensor parallelism every rank must call this, and
         only rank 0 gets the logits (the others get None)."""
         logits = self.tp.gather_columns(self.lm_head_linear(hidden).float())
+        if logits is not None and self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return None if logits is None else logits[:, : self.config.vocab_size]
 
     def weight_bytes(self) -> int:

@@ -17,7 +17,9 @@ import torch
 
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.gguf_config import PERMUTED_QK, ROPE_TENSORS, field, gguf_config, hf_tensor_name
 from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
+from pagedllm.models.hf_config import config_from_hf_dict
 
 logger = logging.getLogger("pagedllm")
 
@@ -139,111 +141,11 @@ def gguf_tensor_bytes(path: Path) -> int:
 def read_model_config(path: Path) -> ModelConfig:
     """The model's shape alone, without reading its weights (the GGUF header, or config.json)."""
     if path.suffix == ".gguf":
-        return _gguf_config(_reader(path), path)
+        return gguf_config(_reader(path), path)
     return config_from_hf_dict(json.loads((path / "config.json").read_text()))
 
 
 # --- Hugging Face checkpoint directory -------------------------------------------------
-
-
-# Hugging Face `architectures` names (and their `model_type`) this engine runs.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-}
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-
-
-def architecture_of(cfg: dict) -> str:
-    """The architecture a config.json names, or a clear error naming the supported ones."""
-    names = cfg.get("architectures") or []
-    for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    model_type = cfg.get("model_type", "llama" if not names else None)
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    supported = ", ".join(f"{name} ({arch})" for name, arch in ARCHITECTURES.items())
-    raise ValueError(
-        f"unsupported architecture {names[0] if names else model_type!r} (model_type {cfg.get('model_type')!r}); "
-        f"supported: {supported}"
-    )
-
-
-def layer_windows_of(cfg: dict, architecture: str) -> tuple[int, ...]:
-    """Each layer's sliding window (0: full attention), as transformers reads the config."""
-    layers = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window")
-    if architecture in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        window = None
-    if not window:
-        return (0,) * layers
-    layer_types = cfg.get("layer_types")
-    if layer_types is None and architecture == "gemma3":  # every sixth layer attends to everything
-        pattern = cfg.get("sliding_window_pattern", 6)
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if layer_types is None and architecture in ("qwen2", "qwen3"):
-        first = cfg.get("max_window_layers", layers)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if layer_types is None:
-        return (int(window),) * layers
-    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
-
-
-def config_from_hf_dict(cfg: dict) -> ModelConfig:
-    architecture = architecture_of(cfg)
-    rope_scaling = cfg.get("rope_scaling") or {}
-    rope_params = cfg.get("rope_parameters") or {}
-    # Gemma 3 names one set of rotary parameters per layer type.
-    local_params = rope_params.get("sliding_attention") or {}
-    rope_params = rope_params.get("full_attention", rope_params)
-    for params in (rope_scaling, rope_params, local_params):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"rope scaling {rope_type!r} is not supported")
-    if architecture == "gemma3" and cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"gemma3 with hidden_activation {cfg.get('hidden_activation')!r} is not supported")
-    if cfg.get("attn_logit_softcapping"):
-        raise ValueError("attention logit soft-capping is not supported")
-    if cfg.get("mlp_bias"):
-        raise ValueError("checkpoints with MLP biases are not supported")
-    if architecture in ("llama", "mistral", "qwen3") and cfg.get("attention_bias"):
-        raise ValueError(f"{architecture} checkpoints with attention biases are not supported")
-    heads = cfg["num_attention_heads"]
-    eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(
-            cfg.get("rope_theta", rope_params.get("rope_theta", 1e6 if architecture == "gemma3" else 1e4))
-        ),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", architecture == "gemma3")),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        architecture=architecture,
-        attention_bias=architecture == "qwen2",
-        qk_norm=architecture in ("qwen3", "gemma3"),
-        layer_windows=layer_windows_of(cfg, architecture),
-        **(_gemma3_fields(cfg, local_params) if architecture == "gemma3" else {}),
-    )
-
-
-def _gemma3_fields(cfg: dict, local_params: dict) -> dict:
-    return {
-        "rope_local_theta": float(local_params.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-    }
 
 
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -262,35 +164,6 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 # --- GGUF ------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-# Gemma 3 has four norms per layer and q/k norms; llama.cpp names its norms differently, and
-# stores every norm weight as 1 + w (Hugging Face keeps w and adds the 1 in the model).
-_GGUF_GEMMA3_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-GGUF_ARCHITECTURES = ("llama", "gemma3")
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
 
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp stores Q/K rows interleaved per rotary pair; restore the HF half-split order."""
@@ -302,21 +175,17 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str,
     import gguf
 
     reader = _reader(path)
-    config = _gguf_config(reader, path)
-    gemma = config.architecture == "gemma3"
+    config = gguf_config(reader, path)
+    arch = field(reader, "general.architecture")
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
+        if tensor.name.removesuffix(".weight") in ROPE_TENSORS:  # read into the config
+            continue
+        name = hf_tensor_name(tensor.name, arch, path)
         shape = [int(d) for d in reversed(tensor.shape)]
-        prefix, _, rest = tensor.name.partition(".")
-        heads = None  # llama.cpp permutes llama's q and k rows only
-        if prefix == "blk":
-            index, _, rest = rest.partition(".")
-            kind = rest.removesuffix(".weight")
-            if not gemma and kind in ("attn_q", "attn_k"):
-                heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
-            name = f"layers.{index}.{(_GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES)[kind]}.weight"
-        else:
-            name = f"{_GGUF_TOP_NAMES[prefix]}.weight"
+        heads = None  # llama.cpp interleaves q and k rows per rotary pair on some architectures
+        if arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
         type_name = tensor.tensor_type.name
         if keep_quantized and type_name in NATIVE_TYPES and len(shape) == 2:
             weight = repack(tensor.data, type_name, *shape)
@@ -328,42 +197,7 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str,
         array = array.reshape(shape)
         if heads is not None:
             array = _unpermute_rope(array, heads)
-        if gemma and name.endswith("norm.weight"):
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
             array = array - 1.0
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
     return config, weights
-
-
-def _gguf_config(reader, path: Path) -> ModelConfig:
-    """The model's shape from a GGUF header (no tensor is read)."""
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    layers = int(_field(reader, f"{arch}.block_count"))
-    names = {t.name: t for t in reader.tensors}
-    gemma = arch == "gemma3"
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
-    return ModelConfig(
-        vocab_size=int(names["token_embd.weight"].shape[-1]),  # GGUF lists the innermost dimension first
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 1e6 if gemma else 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        architecture=arch,
-        qk_norm=gemma,
-        # Gemma 3: five sliding layers, then one full (transformers' default pattern, which GGUF does not store).
-        layer_windows=tuple(window if gemma and (i + 1) % 6 else 0 for i in range(layers)),
-        **({"rope_local_theta": 10000.0, "query_pre_attn_scalar": 256.0} if gemma else {}),
-    )

@@ -63,6 +63,8 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     """A clear error when the model cannot be split `size` ways."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size > 1 and any(config.layer_moe):
+        raise ValueError(f"{config.architecture}'s mixture-of-experts layers do not run tensor-parallel yet")
     if config.num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} attention heads")
     kv = config.num_kv_heads
@@ -77,6 +79,23 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
         )
 
 
+def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused qkv_proj and gate_up_proj as the separate projections the other checkpoints
+    store (a new dict), so that they shard by the same rules."""
+    out = dict(weights)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        qkv = out.pop(p + "self_attn.qkv_proj.weight", None)
+        if qkv is not None:
+            for name, part in zip("qkv", qkv.split([q, kv, kv])):
+                out[p + f"self_attn.{name}_proj.weight"] = part
+        gate_up = out.pop(p + "mlp.gate_up_proj.weight", None)
+        if gate_up is not None:
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate_up.chunk(2)
+    return out
+
+
 def shard_hf_weights(
     weights: dict[str, torch.Tensor], config: ModelConfig, tp: TensorParallel
 ) -> dict[str, torch.Tensor]:
@@ -85,6 +104,7 @@ def shard_hf_weights(
         return weights
     s = ShardLayout.for_rank(config, tp)
     d = config.head_dim
+    weights = split_fused(weights, config)
     shards = dict(weights)  # norms are replicated
 
     def rows(name: str, start: int, count: int) -> None:

@@ -40,7 +40,7 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         chunk = ScheduledRequest(request, 0, len(ids), kv.block_table(request_id), True)
         step = engine.runner.prepare([chunk])
         model = engine.runner.model
-        hidden = model(step.input_ids, step.positions, engine.runner.layer_caches, step.meta)
+        hidden = model(step.input_ids, step.positions, engine.runner.layer_caches, step.meta, step.rope_lengths)
         return model.compute_logits(hidden)
     finally:
         kv.free(request_id)

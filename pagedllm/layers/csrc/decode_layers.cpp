@@ -46,6 +46,7 @@ struct DecodeLayer {
   void* k_cache;
   void* v_cache;
   int64_t window;  // sliding window (0: full attention)
+  int64_t rotary_dim;  // dims of each head that rotate, the rest passing through (0: no rotary)
 };
 
 struct DecodeShape {
@@ -58,7 +59,7 @@ struct DecodeShape {
   extern "C" {                                                                                                     \
   void add_rms_norm_##SUFFIX(const T*, T*, const T*, T*, int64_t, int64_t, float);                                 \
   void rope_write_kv_##SUFFIX(const T*, T*, T*, T*, const int64_t*, const int64_t*, const float*, const float*,    \
-                              int64_t, int64_t, int64_t, int64_t);                                                 \
+                              int64_t, int64_t, int64_t, int64_t, int64_t);                                        \
   void silu_mul_##SUFFIX(const T*, T*, int64_t, int64_t);                                                          \
   void packed_gemm_##SUFFIX(const T*, const T*, T*, int64_t, int64_t, int64_t);                                    \
   void quant_gemm_##SUFFIX(const T*, T*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,          \
@@ -125,7 +126,8 @@ void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape
     project<T, K>(layer.qkv_proj, h, qkv, m, qkv_size, s.hidden);
     T* k_cache = static_cast<T*>(layer.k_cache);
     T* v_cache = static_cast<T*>(layer.v_cache);
-    K::rope_write_kv(qkv, q, k_cache, v_cache, positions, slots, cos, sin, m, s.heads, s.kv_heads, s.head_dim);
+    K::rope_write_kv(qkv, q, k_cache, v_cache, positions, slots, cos, sin, m, s.heads, s.kv_heads, s.head_dim,
+                    layer.rotary_dim);
     K::decode_attention(q, k_cache, v_cache, attn, rows, seq_lens, tables, m, max_blocks, s.block_size, s.kv_heads,
                         group, s.scale, layer.window, s.head_dim);
     project<T, K>(layer.o_proj, attn, delta, m, s.hidden, q_size);

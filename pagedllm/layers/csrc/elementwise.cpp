@@ -61,31 +61,34 @@ void gemma_norm(const T* x, const float* weight, T* out, int64_t rows, int64_t c
   }
 }
 
-// Rotates one head (the two halves of head_dim, Hugging Face's order) into dst.
+// Rotates one head into dst: its first 2 * half dims by halves (Hugging Face's order), the
+// rest of its head_dim copied as they are (partial rotary; half 0: no rotary at all).
 template <typename T>
-inline void rotate(const T* src, T* dst, const float* cos, const float* sin, int64_t half) {
+inline void rotate(const T* src, T* dst, const float* cos, const float* sin, int64_t half, int64_t head_dim) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
     dst[i] = from_float<T>(x1 * cos[i] - x2 * sin[i]);
     dst[i + half] = from_float<T>(x2 * cos[i] + x1 * sin[i]);
   }
+  if (2 * half < head_dim) std::memcpy(dst + 2 * half, src + 2 * half, (head_dim - 2 * half) * sizeof(T));
 }
 
 template <typename T>
 void rope_write_kv(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, const int64_t* slots,
                    const float* cos_table, const float* sin_table, int64_t tokens, int64_t heads, int64_t kv_heads,
-                   int64_t head_dim) {
-  const int64_t half = head_dim / 2, q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+                   int64_t head_dim, int64_t rotary_dim) {
+  // positions[t]: token t's row of the cos/sin tables (rotary_dim / 2 values each).
+  const int64_t half = rotary_dim / 2, q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t row = q_size + 2 * kv_size;
 #pragma omp parallel for if (tokens * row >= kParallelElements)
   for (int64_t t = 0; t < tokens; ++t) {
     const T* src = qkv + t * row;
     const float* cos = cos_table + positions[t] * half;
     const float* sin = sin_table + positions[t] * half;
-    for (int64_t h = 0; h < heads; ++h) rotate(src + h * head_dim, q_out + t * q_size + h * head_dim, cos, sin, half);
+    for (int64_t h = 0; h < heads; ++h) rotate(src + h * head_dim, q_out + t * q_size + h * head_dim, cos, sin, half, head_dim);
     T* k_dst = k_cache + slots[t] * kv_size;
-    for (int64_t h = 0; h < kv_heads; ++h) rotate(src + q_size + h * head_dim, k_dst + h * head_dim, cos, sin, half);
+    for (int64_t h = 0; h < kv_heads; ++h) rotate(src + q_size + h * head_dim, k_dst + h * head_dim, cos, sin, half, head_dim);
     std::memcpy(v_cache + slots[t] * kv_size, src + q_size + kv_size, kv_size * sizeof(T));
   }
 }
@@ -159,9 +162,9 @@ using pagedllm::bf16;
   }                                                                                                                \
   PAGEDLLM_API void rope_write_kv_##SUFFIX(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, \
                                            const int64_t* slots, const float* cos, const float* sin, int64_t tokens, \
-                                           int64_t heads, int64_t kv_heads, int64_t head_dim) {                     \
+                                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim) { \
     pagedllm::rope_write_kv<T>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads, kv_heads,    \
-                               head_dim);                                                                          \
+                               head_dim, rotary_dim);                                                              \
   }                                                                                                                \
   PAGEDLLM_API void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                      \
     pagedllm::gated<T>(gate_up, out, rows, width, pagedllm::Silu{});                                               \
