@@ -63,7 +63,7 @@ CASES = {
         "phi3",
         {"rope_scaling": LONGROPE, "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5},
     ),
-    "smollm3-nope": ("smollm3", {"num_hidden_layers": 4}),  # layer 3 has no rotary
+    "smollm3-nope": ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),  # layer 3 has no rotary
     "granite": (
         "granite",
         {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.05, "logits_scaling": 4.0},

@@ -144,8 +144,9 @@ def config_from_hf_dict(cfg: dict) -> ModelConfig:
     _refuse_unsupported(cfg, architecture)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rope_params = dict(cfg.get("rope_scaling") or {})
-    rope_params.update(cfg.get("rope_parameters") or {})
+    # transformers 5's rope_parameters, with an older config's rope_scaling over it where both are set.
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_params.update(cfg.get("rope_scaling") or {})
     # Gemma 3 names one set of rotary parameters per layer type.
     local_params = rope_params.get("sliding_attention") or {}
     rope_params = rope_params.get("full_attention", rope_params)
@@ -196,7 +197,8 @@ def config_from_hf_dict(cfg: dict) -> ModelConfig:
 
 
 def _moe_fields(cfg: dict) -> dict:
-    layers, experts = cfg["num_hidden_layers"], cfg.get("num_experts", 0)
+    # transformers 5 writes num_local_experts; the published configs num_experts.
+    layers, experts = cfg["num_hidden_layers"], cfg.get("num_experts") or cfg.get("num_local_experts", 0)
     step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
     return {
         "num_experts": experts,
