@@ -45,10 +45,10 @@ class MoeDecoderLayer(DecoderLayer):
             self.experts_gate_up.copy_(_dense(weights[p + "experts.gate_up_proj"]))
             self.experts_down.copy_(_dense(LlamaModel.take(weights, p + "experts.down_proj")))
             return
-        if p + "experts.gate_proj" in weights:  # a GGUF's: gate and up stacked apart
-            gate, up = (_dense(LlamaModel.take(weights, p + f"experts.{n}_proj")) for n in ("gate", "up"))
+        if p + "experts.gate_proj.weight" in weights:  # a GGUF's: gate and up stacked apart
+            gate, up = (_dense(LlamaModel.take(weights, p + f"experts.{n}_proj.weight")) for n in ("gate", "up"))
             self.experts_gate_up.copy_(torch.cat([gate, up], dim=1))
-            self.experts_down.copy_(_dense(LlamaModel.take(weights, p + "experts.down_proj")))
+            self.experts_down.copy_(_dense(LlamaModel.take(weights, p + "experts.down_proj.weight")))
             return
         for e in range(self.router.shape[0]):
             q = f"{p}experts.{e}."

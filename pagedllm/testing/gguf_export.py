@@ -48,6 +48,8 @@ def _copy_tokenizer(writer, pre: str | None) -> None:
 
 
 def _write_metadata(writer, c: ModelConfig, arch: str) -> None:
+    import gguf
+
     writer.add_block_count(c.num_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -59,11 +61,11 @@ def _write_metadata(writer, c: ModelConfig, arch: str) -> None:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_rope_dimension_count(c.rotary_dim or c.head_dim)
-    if any(c.layer_windows) and arch != "gemma3":
+    if any(c.layer_windows):
         writer.add_sliding_window(max(c.layer_windows))
     s = c.rope_scaling
     if s.rope_type in ("linear", "yarn"):
-        writer.add_rope_scaling_type(s.rope_type)
+        writer.add_rope_scaling_type(gguf.RopeScalingType(s.rope_type))
         writer.add_rope_scaling_factor(s.factor)
     if s.original_max_position_embeddings:
         writer.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
@@ -100,7 +102,7 @@ def _rope_tensors(c: ModelConfig) -> dict[str, np.ndarray]:
 def _stack_experts(weights: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
     """Per-expert or transformers-stacked expert weights as llama.cpp's three stacked tensors."""
     out = dict(weights)
-    for i in range(c.num_layers):
+    for i in range(c.num_layers if c.num_experts else 0):
         p = f"layers.{i}.mlp.experts."
         if p + "gate_up_proj" in out:
             gate, up = out.pop(p + "gate_up_proj").chunk(2, dim=1)

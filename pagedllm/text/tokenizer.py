@@ -27,7 +27,7 @@ class Tokenizer:
                 self.hf = AutoTokenizer.from_pretrained(str(cached))
             else:
                 logger.info("building the tokenizer from %s (once; cached under %s)", path.name, cached.parent)
-                self.hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                self.hf = _tokenizer_from_gguf(path)
                 try:
                     self.hf.save_pretrained(str(cached))
                 except OSError:
@@ -70,3 +70,25 @@ class Tokenizer:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _tokenizer_from_gguf(path: Path):
+    """The tokenizer a GGUF's metadata describes (its vocabulary, merges, pre-tokenizer type,
+    special tokens and chat template), through transformers' reading of it.  Where transformers
+    does not know the file's architecture as a model (granite, smollm3), the same metadata is
+    converted directly: the tokenizer depends on its type (`tokenizer.ggml.model`, `.pre`), not
+    on the model's architecture."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as error:
+        if "is not supported" not in str(error):
+            raise
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    settings = {key: value for key, value in tokenizer_config.items() if value is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
