@@ -273,3 +273,27 @@ def test_an_unknown_gguf_tensor_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="tensor 'blk.0.attn_sinks.weight' is not one a llama model has"):
         LLM(str(tmp_path / "extra.gguf"), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_the_gguf_tokenizer_equals_transformers_reading_of_the_file():
+    """Read straight from the metadata, the bundled file's tokenizer gives what
+    `AutoTokenizer.from_pretrained(gguf_file=...)` gives: ids, text back, chat template."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.loader import default_model_path
+    from pagedllm.text.tokenizer import _tokenizer_from_gguf
+
+    path = default_model_path()
+    ours, reference = _tokenizer_from_gguf(path), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ("Hello world, 12345!", "  two spaces\n\nand émoji 🙂", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours.encode(text) == reference.encode(text)
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == reference.decode(
+            reference.encode(text), skip_special_tokens=True
+        )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (
+        reference.eos_token_id, reference.bos_token_id, len(reference),
+    )  # fmt: skip
