@@ -297,3 +297,44 @@ def test_the_gguf_tokenizer_equals_transformers_reading_of_the_file():
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (
         reference.eos_token_id, reference.bos_token_id, len(reference),
     )  # fmt: skip
+
+
+def test_the_gguf_header_reader_reads_what_the_gguf_package_reads(tmp_path):
+    """pagedllm's lazy GGUF reader against the `gguf` package's on a file with every value kind,
+    string arrays, and float and quantized tensors: the same values, types, shapes and bytes."""
+    import gguf
+
+    from pagedllm.models.gguf_file import GGUFFile, StringArray
+
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_uint32("t.u32", 7)
+    writer.add_int64("t.i64", -3)
+    writer.add_float32("t.f32", 0.5)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_array("t.strs", ["a", "bc", "", "déf"])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    for kind in ("Q8_0", "Q4_0"):  # (the gguf package quantizes these; K-quants it only reads)
+        qtype = gguf.GGMLQuantizationType[kind]
+        data = gguf.quants.quantize(rng.standard_normal((4, 256)).astype(np.float32), qtype)
+        writer.add_tensor(kind, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = GGUFFile(tmp_path / "t.gguf"), gguf.GGUFReader(str(tmp_path / "t.gguf"))
+    assert set(ours.fields) == {name for name in theirs.fields if not name.startswith("GGUF.")}
+    for name, value in ours.fields.items():
+        expected = theirs.fields[name].contents()
+        assert value == (StringArray(len(expected)) if name == "t.strs" else expected), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] == ["f32", "f16", "Q8_0", "Q4_0"]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape) and a.n_bytes == b.n_bytes
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(60))
+        GGUFFile(tmp_path / "bad.gguf")

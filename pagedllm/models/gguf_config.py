@@ -66,8 +66,9 @@ TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_
 
 
 def field(reader, key: str, default=None):
+    """A metadata value of a GGUFFile (pagedllm/models/gguf_file.py), or `default`."""
     value = reader.fields.get(key)
-    return default if value is None else value.contents()
+    return default if value is None else value
 
 
 def hf_tensor_name(gguf_name: str, arch: str, path: Path) -> str:

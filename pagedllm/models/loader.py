@@ -18,6 +18,7 @@ import torch
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_config import PERMUTED_QK, ROPE_TENSORS, field, gguf_config, hf_tensor_name
+from pagedllm.models.gguf_file import GGUFFile
 from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
 from pagedllm.models.hf_config import config_from_hf_dict
 
@@ -114,13 +115,11 @@ def load_weights(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig,
 
 
 @functools.lru_cache(maxsize=2)
-def gguf_reader(path: Path, size: int, mtime: float):
-    """The file's GGUFReader, parsed once (Gemma 3's 262,144-token vocabulary takes ~15 s to
-    parse); keyed by size and mtime as well, so a replaced file is read again."""
-    import gguf
-
+def gguf_reader(path: Path, size: int, mtime: float) -> GGUFFile:
+    """The file's header and tensor views, parsed once; keyed by size and mtime as well, so a
+    replaced file is read again."""
     del size, mtime
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
 def forget_gguf_readers() -> None:

