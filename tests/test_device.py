@@ -102,7 +102,7 @@ def test_graph_inputs_are_the_steps_and_padding_reads_nothing():
     layout = GraphLayout(batch=4, max_blocks=3)
     host = np.full(layout.size + 5, -7, dtype=np.int64)  # stale values from an earlier step
     block_size, padding_block = 4, 24
-    chunks = [ChunkPlan(0, 5, [11], [7, 2], 1), ChunkPlan(1, 0, [12], [5], 1)]
+    chunks = [ChunkPlan(0, 5, [11], [7, 2], 1, 5), ChunkPlan(1, 0, [12], [5], 1, 1)]
     layout.fill(host[: layout.size], chunks, block_size, padding_block)
     ids, positions, seq_lens, slots, tables = layout.split(host)
     assert ids.tolist() == [11, 12, 0, 0]
@@ -118,7 +118,7 @@ def test_graph_inputs_with_layer_groups_split_the_interleaved_table():
     """Two groups: a table holds each block's two entries side by side; a freed one (-1) is padding."""
     layout = GraphLayout(batch=2, max_blocks=3, groups=2)
     host = np.zeros(layout.size, dtype=np.int64)
-    chunks = [ChunkPlan(0, 9, [11], [-1, 4, 6, 8, 3, 1], 1)]  # blocks 0-2: (full, sliding) entries
+    chunks = [ChunkPlan(0, 9, [11], [-1, 4, 6, 8, 3, 1], 1, 9)]  # blocks 0-2: (full, sliding) entries
     layout.fill(host, chunks, 4, 24)
     _, _, seq_lens, slots, tables = layout.split(host)
     assert tables[:, 0].tolist() == [[24, 6, 3], [4, 8, 1]]  # group 0 had block 0 freed

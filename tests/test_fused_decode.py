@@ -120,6 +120,35 @@ def test_fused_decode_with_a_sliding_window(tmp_path, monkeypatch):
     assert_no_blocks_held(llm)
 
 
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),  # layer 3 without rotary
+        ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head rotates, fused q/k/v stored
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}}),
+    ],
+)
+def test_fused_decode_with_each_layers_rotary(tmp_path, monkeypatch, model_type, extra):
+    """Per-layer rotary dims (none, part of the head) and scaled tables: the fused step rotates each
+    layer as the layer loop does."""
+    from pagedllm.testing.hf_reference import save_random_model
+
+    skip_without_float32_packed_gemm()
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2)  # fmt: skip
+    save_random_model(tmp_path, model_type, **{**shape, **extra})
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    rows = count_fused_steps(model, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (4, 20, 31)]
+    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert rows
+    assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
+    assert_no_blocks_held(llm)
+
+
 def test_fused_decode_is_off_where_it_does_not_fit(tiny_llama, monkeypatch):
     """On by default where the kernels run; off when turned off, or when attention or the
     projections are not the C++ kernels it calls."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.fused_ops import CppOps, Rotary, TorchOps, select_ops
+from pagedllm.layers.fused_ops import CppOps, TorchOps, select_ops
+from pagedllm.layers.rotary import Rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -43,17 +44,23 @@ def test_add_rms_norm(cpp: CppOps, dtype: torch.dtype, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (2, 2, 8)])
-def test_rope_write_kv(cpp: CppOps, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("rotated", ["all", "half", "none"])  # partial rotary (Phi-4-mini), NoPE layers (SmolLM3)
+def test_rope_write_kv(cpp: CppOps, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, rotated: str) -> None:
     gen = torch.Generator().manual_seed(heads * head_dim)
     tokens, num_blocks, block_size = 37, 12, 4
-    rotary = Rotary(head_dim, 10000.0, 512, dtype)
+    rotary_dim = {"all": head_dim, "half": head_dim // 2, "none": 0}[rotated]
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 512, (tokens,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     caches = [torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in "ab"]
-    q_cpp = cpp.rope_write_kv(qkv, positions, rotary, caches[0], slots, heads)
-    q_torch = TorchOps().rope_write_kv(qkv, positions, rotary, caches[1], slots, heads)
+    rotary = Rotary(head_dim, 10000.0, 512, dtype, rotary_dim=rotary_dim).for_step(positions)
+    q_cpp = cpp.rope_write_kv(qkv, rotary, caches[0], slots, heads)
+    q_torch = TorchOps().rope_write_kv(qkv, rotary, caches[1], slots, heads)
     close(q_cpp, q_torch, dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert torch.equal(q_cpp[..., rotary_dim:], q[..., rotary_dim:]), "dims past the rotary ones pass through"
+    if rotary_dim:
+        assert not torch.equal(q_cpp[..., :rotary_dim], q[..., :rotary_dim])
     flat = [c.view(2, -1, kv_heads, head_dim) for c in caches]
     close(flat[0][:, slots], flat[1][:, slots], dtype)
     assert torch.equal(flat[0][1, slots], flat[1][1, slots]), "v is copied, not computed"

@@ -151,3 +151,30 @@ def test_random_hits_growth_and_frees_keep_counts_right(num_blocks, ops):
     for request_id in list(tokens):
         kv.free(request_id)
     assert kv.num_free_blocks == num_blocks and all(c == 0 for c in kv.pool.ref_counts)
+
+
+def test_a_salt_keeps_requests_whose_kv_differs_apart():
+    """Blocks cached under one salt (a length-dependent RoPE's regime) are found only under it."""
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(1, 11))
+    assert kv.allocate_slots("a", len(prompt)) is not None
+    kv.cache_full_blocks("a", prompt, len(prompt), salt=b"rope:long")
+    assert kv.find_cached_prefix(prompt) == []
+    assert kv.find_cached_prefix(prompt, salt=b"rope:other") == []
+    assert kv.find_cached_prefix(prompt, salt=b"rope:long") == kv.block_table("a")[:2]
+
+
+def test_the_scheduler_salts_each_request_by_its_prompt_length():
+    """With a `prompt_salt` (LongRoPE past 12 tokens, say), a short prompt does not reuse blocks
+    a long one computed, though its tokens are the long one's first ones."""
+    kv = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=8, prompt_salt=lambda n: b"long" if n > 12 else b"")
+    s.add_request(make_request("long", 14, max_tokens=1))
+    run_step(s)
+    s.add_request(make_request("also-long", 13, max_tokens=1))
+    run_step(s)
+    assert s.prefix_cache_hit_tokens == 12  # the same regime: its three full blocks
+    s.add_request(make_request("short", 10, max_tokens=1))
+    out, _ = run_step(s)
+    assert [(c.start, c.num_new_tokens) for c in out.scheduled] == [(0, 10)]
+    assert s.prefix_cache_hit_tokens == 12

@@ -16,6 +16,7 @@ class FakeChunk:
     def __init__(self, start: int, token_ids: list[int], block_table: list[int], num_samples: int = 1) -> None:
         self.start, self.token_ids, self.block_table, self.num_samples = start, token_ids, block_table, num_samples
         self.num_new_tokens = len(token_ids)
+        self.num_prompt_tokens = 32
 
 
 def roundtrip(encoder: StepEncoder, worker: WorkerBlockTables, chunks, copies=()):
@@ -28,19 +29,19 @@ def test_increments_cover_append_copy_on_write_reset_and_release():
     # A new request with two prefix-cache blocks and one fresh one: the whole table goes out.
     message, plan = roundtrip(encoder, worker, [("a", FakeChunk(32, [5, 6, 7], [3, 9, 4]))])
     assert plan.chunks[0].block_table == [3, 9, 4] and plan.chunks[0].token_ids == [5, 6, 7]
-    assert plan.chunks[0].start == 32 and plan.chunks[0].num_samples == 1
+    assert plan.chunks[0].start == 32 and plan.chunks[0].num_samples == 1 and plan.chunks[0].num_prompt_tokens == 32
     # A decode in the same block: nothing appended, only the token travels.
     message, plan = roundtrip(encoder, worker, [("a", FakeChunk(35, [8], [3, 9, 4]))])
-    assert list(message) == [1, 1, 0, 0, encoder.handles["a"], 35, 1, 1, 3, 0, 8]
+    assert list(message) == [1, 1, 0, 0, encoder.handles["a"], 35, 1, 1, 32, 3, 0, 8]
     # Crossing into a new block appends one id.
     message, plan = roundtrip(encoder, worker, [("a", FakeChunk(48, [9], [3, 9, 4, 11]))])
-    assert message[8:10].tolist() == [3, 1] and worker.tables[encoder.handles["a"]] == [3, 9, 4, 11]
+    assert message[9:11].tolist() == [3, 1] and worker.tables[encoder.handles["a"]] == [3, 9, 4, 11]
     # Copy-on-write swaps the last block: keep 3, send the fresh id, and the copy.
     message, plan = roundtrip(encoder, worker, [("a", FakeChunk(49, [1], [3, 9, 4, 12]))], [(11, 12)])
     assert plan.block_copies == [(11, 12)] and plan.chunks[0].block_table == [3, 9, 4, 12]
     # Preempted and admitted again into other blocks: keep 0.
     message, plan = roundtrip(encoder, worker, [("a", FakeChunk(0, [1, 2], [7]))])
-    assert message[8] == 0 and plan.chunks[0].block_table == [7]
+    assert message[9] == 0 and plan.chunks[0].block_table == [7]
     # Released: the next message drops the worker's table.
     handle = encoder.handles["a"]
     encoder.release("a")
@@ -56,7 +57,7 @@ def test_a_malformed_message_is_a_clear_error():
     with pytest.raises(ValueError, match="kind"):
         worker.apply([9])
     with pytest.raises(ValueError, match="keeps 2 blocks"):
-        worker.apply([1, 1, 0, 0, 0, 0, 1, 1, 2, 0, 5])
+        worker.apply([1, 1, 0, 0, 0, 0, 1, 1, 1, 2, 0, 5])
     with pytest.raises(ValueError, match="header accounts"):
         worker.apply([1, 0, 0, 0, 99])
 

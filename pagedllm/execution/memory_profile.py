@@ -41,7 +41,7 @@ def profile_step_bytes(
     cache_bytes = torch.cuda.memory_allocated(device) - before
     chunks, first = [], 0
     for i, (n, b) in enumerate(zip(lengths, blocks_each)):
-        chunks.append(ChunkPlan(i, 0, [1] * n, list(range(first, first + b)), 1))
+        chunks.append(ChunkPlan(i, 0, [1] * n, list(range(first, first + b)), 1, n))
         first += b
     with torch.inference_mode():
         runner.run(chunks, [])
