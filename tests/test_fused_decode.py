@@ -125,7 +125,18 @@ def test_fused_decode_with_a_sliding_window(tmp_path, monkeypatch):
     [
         ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),  # layer 3 without rotary
         ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head rotates, fused q/k/v stored
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 16,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                }
+            },
+        ),  # fmt: skip
     ],
 )
 def test_fused_decode_with_each_layers_rotary(tmp_path, monkeypatch, model_type, extra):
