@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.fused_ops import LayerOps
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.moe import grouped_experts, route
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -56,9 +57,25 @@ class MoeDecoderLayer(DecoderLayer):
             self.experts_gate_up[e].copy_(torch.cat([gate, up]))
             self.experts_down[e].copy_(_dense(LlamaModel.take(weights, q + "down_proj.weight")))
 
+    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
+        """The attention projections as the llama layer builds them; each expert's gate/up and down
+        as Linears of their own (the stacked weights are then dropped where the Linears copied them)."""
+        super().prepare_linears(backend, small_batch, quantized)
+        for e in range(self.router.shape[0]):
+            self.linears[f"experts.{e}.gate_up"] = Linear(self.experts_gate_up.data[e], backend, small_batch)
+            self.linears[f"experts.{e}.down"] = Linear(self.experts_down.data[e], backend, small_batch)
+        if backend != "torch":
+            self.experts_gate_up.data = torch.empty(0, dtype=self.experts_gate_up.dtype)
+            self.experts_down.data = torch.empty(0, dtype=self.experts_down.dtype)
+
     def mlp(self, h: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         weights, experts = route(torch.nn.functional.linear(h, self.router), self.top_k, self.normalize)
-        return grouped_experts(h, weights, experts, self.experts_gate_up, self.experts_down, ops.silu_mul)
+        linears = self.linears
+
+        def run_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return linears[f"experts.{e}.down"](ops.silu_mul(linears[f"experts.{e}.gate_up"](rows)))
+
+        return grouped_experts(h, weights, experts, run_expert)
 
 
 class Qwen3MoeModel(LlamaModel):
