@@ -16,19 +16,9 @@ from pagedllm import LLM
 from pagedllm.layers.rotary import RopeScaling, dynamic_frequencies, inverse_frequencies
 from pagedllm.models.hf_config import config_from_hf_dict
 from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits, save_random_model
+from tests.test_architectures import SHAPE as ARCHITECTURE_SHAPE
 
-SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=128,
-    rope_theta=5000.0,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-)
+SHAPE = {**ARCHITECTURE_SHAPE, "max_position_embeddings": 128}  # short, so that prompts pass every threshold
 LONGROPE = dict(
     rope_type="longrope",
     short_factor=[1.0 + 0.05 * i for i in range(16)],  # phi3 below rotates 32 of 64 dims: 16 pairs
