@@ -23,6 +23,7 @@ RANKS: list[set[str]] = [
     {"distributed"},  # tensor-parallel ranks around the execution layer
     {"engine", "cli_args"},  # the step loop; engine flags from EngineConfig
     {"llm", "serving", "benchmarking"},  # offline API, HTTP server, benchmarks
+    {"replicas"},  # data-parallel replicas behind one endpoint, and their router
     {"pagedllm"},  # the package's own exports (LLM, SamplingParams, ...)
     {"testing"},  # transformers references and test servers, for the tests and the benchmarks
     {"cli"},  # the `pagedllm` command

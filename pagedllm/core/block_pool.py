@@ -11,6 +11,10 @@ Invariants:
   until `allocate` takes it for something else (an eviction);
 - the free list is ordered least recently freed first, so eviction takes the
   content that has gone unused longest.
+
+With `record_events`, the pool also keeps the content keys it started and stopped
+holding since the last `drain_events()`, in order: what a data-parallel router reads
+to know which prefixes each replica holds (pagedllm/replicas/router.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class BlockPool:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.record_events = False
+        self._events: list[tuple[bool, bytes]] = []  # (stored: True / removed: False, key)
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +69,8 @@ class BlockPool:
                 del self.cached[key]
                 self.block_keys[block] = None
                 self.num_evictions += 1
+                if self.record_events:
+                    self._events.append((False, key))
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -107,3 +115,10 @@ class BlockPool:
             return
         self.cached[key] = block
         self.block_keys[block] = key
+        if self.record_events:
+            self._events.append((True, key))
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """The keys stored (True) and evicted (False) since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events

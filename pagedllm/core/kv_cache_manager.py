@@ -38,6 +38,22 @@ def block_key(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
+def root_key(cache_salt: bytes = b"", request_salt: bytes = b"") -> bytes:
+    """The key a request's first block chains from: the cache's salt, then the request's, mixed in."""
+    root = hashlib.sha256(b"pagedllm" + cache_salt).digest()
+    return root if not request_salt else hashlib.sha256(root + request_salt).digest()
+
+
+def prompt_block_keys(token_ids: list[int], block_size: int, root: bytes) -> list[bytes]:
+    """The keys of the leading full blocks a prefix-cache lookup can hit for this prompt (its last
+    token is always computed, so a block that ends with it is not among them)."""
+    keys, parent = [], root
+    for index in range((len(token_ids) - 1) // block_size):
+        parent = block_key(parent, token_ids[index * block_size : (index + 1) * block_size])
+        keys.append(parent)
+    return keys
+
+
 @dataclass(frozen=True)
 class AllocationResult:
     """What one `allocate_slots` call changed in a request's table.
@@ -77,7 +93,8 @@ class KVCacheManager:
         # Keys of each request's leading full blocks, as far as they have been named.
         self.block_keys: dict[str, list[bytes]] = {}
         # Mixed into the first block's key: anything besides the tokens that changes the KV.
-        self.root_key = hashlib.sha256(b"pagedllm" + cache_salt).digest()
+        self.cache_salt = cache_salt
+        self.root_key = root_key(cache_salt)
         # Full blocks that requests scheduled this step are computing: findable by later requests of the
         # same step (every layer writes the step's K/V before any attention reads it), cached after it.
         self._pending: dict[bytes, int] = {}
@@ -129,7 +146,7 @@ class KVCacheManager:
         """The key a request's first block chains from: the cache's own, or with the request's salt
         (anything besides its tokens that changes its KV, such as a length-dependent RoPE's
         frequencies) mixed in."""
-        return self.root_key if not salt else hashlib.sha256(self.root_key + salt).digest()
+        return self.root_key if not salt else root_key(self.cache_salt, salt)
 
     def find_cached_prefix(self, token_ids: list[int], salt: bytes = b"") -> list[int]:
         """Cached blocks holding the longest run of the request's leading full blocks (G entries each,
