@@ -103,10 +103,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     config = engine_config(args)
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        from pagedllm.replicas.serve import serve_data_parallel
+
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+        argv = args.argv[args.argv.index("serve") + 1 :]
+        return serve_data_parallel(args, argv, config.block_size, resolve_model_path(config.model))
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_model_name(config.model),
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         max_body_bytes=parse_bytes(args.max_body_size),
+        kv_events=args.kv_events,
     )
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a moment
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
@@ -175,6 +183,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are aborted "
         "(a second signal exits at once)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="run this many engine replicas (on Ray) behind one endpoint; on one machine each gets "
+        "cores / N of its cores",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="place the replicas on this Ray cluster (auto, or HOST:PORT) instead of a local Ray instance",
+    )
+    p.add_argument(
+        "--router",
+        default="prefix",
+        choices=["prefix", "least-loaded", "round-robin"],
+        help="how requests are spread over replicas: to the one holding the longest run of the prompt's "
+        "blocks (load permitting), the least loaded, or in turn",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="serve GET /kv_events: the prefix cache's stored and evicted block keys (the data-parallel "
+        "router reads them from each replica)",
+    )
     add_engine_args(p, serving=True)
     p.set_defaults(func=cmd_serve)
 
@@ -200,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.log_level.upper() != "DEBUG":  # one line per HTTP call from the openai client is noise
         for noisy in ("httpx", "httpcore", "openai"):

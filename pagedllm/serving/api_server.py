@@ -44,6 +44,9 @@ class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
+    # Record the prefix cache's stored and evicted block keys for `GET /kv_events` (a replica behind
+    # the data-parallel router, pagedllm/replicas/): the router drains them, so one reader only.
+    kv_events: bool = False
 
 
 def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
@@ -85,6 +88,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         ("GET", "/dashboard", handlers.dashboard),
         ("GET", "/dashboard/state", handlers.dashboard_state),
     ]
+    if settings.kv_events:
+        pool = getattr(engine.engine.kv_cache, "pool", None)  # the contiguous layout has no prefix cache
+        if pool is not None:
+            pool.record_events = True  # before the engine thread starts: nothing else touches it yet
+        routes.append(("GET", "/kv_events", handlers.kv_events))
     for method, path, handler in routes:
         app.add_api_route(path, handler, methods=[method])
     return app

@@ -246,6 +246,18 @@ class Handlers:
     async def stats(self) -> dict:
         return await self.engine_call(engine_state)
 
+    async def kv_events(self, request: Request) -> dict:
+        """The block keys the prefix cache stored and evicted since the last call, oldest first, as
+        [1 stored / 0 evicted, key in hex]; behind the API key (keys are hashes of prompts)."""
+        self.check_key(request)
+
+        def drain(engine: Any) -> dict:
+            pool = getattr(engine.kv_cache, "pool", None)
+            events = [] if pool is None else pool.drain_events()
+            return {"block_size": engine.kv_cache.block_size, "events": [[int(s), k.hex()] for s, k in events]}
+
+        return await self.engine_call(drain)
+
     async def dashboard(self) -> HTMLResponse:
         return HTMLResponse(dashboard_html())
 

@@ -1,0 +1,288 @@
+"""One OpenAI-compatible endpoint in front of several `pagedllm serve` replicas.
+
+Each completion or chat request is tokenized here (the replicas' own tokenizer and chat
+template), placed by the router (pagedllm/replicas/router.py) and forwarded whole to its
+replica, whose reply (a stream included) passes back byte for byte: every API feature of
+the single server works as it does there, and the replica's own checks answer bad input.
+A client that disconnects closes the forwarded request, and the replica aborts it.
+
+Faults:
+- a replica that cannot be reached before it has sent a byte (refused, reset, gone) is
+  marked down and the request goes to another replica: nothing was streamed, so the
+  retry is invisible to the client;
+- a replica lost mid-stream ends that stream with an error event (OpenAI's error shape),
+  then `[DONE]`: the tokens already sent cannot be taken back;
+- every `poll_interval` the front-end drains each replica's block events (`/kv_events`),
+  which is also its health check: a replica that fails it is marked down within one
+  interval, and taken back (empty cache) as soon as it answers again, at the address
+  `resolve` gives for it then (a restarted replica may listen elsewhere).
+
+`/health` is ok while any replica is up; `/stats` and `/metrics` give every replica's and the
+totals; `/replicas/{i}/...` reaches replica i's own pages (its dashboard, its stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.replicas.router import NoReplicaError, Placement, Router
+from pagedllm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+Resolve = Callable[[int], Awaitable[str]]  # replica index -> its base URL now (http://host:port)
+_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
+
+
+@dataclass
+class FrontendState:
+    router: Router
+    resolve: Resolve
+    addresses: list[str | None]
+    api_key: str | None = None
+    poll_interval: float = 0.2
+    down_since: dict[int, float] = field(default_factory=dict)
+    num_retried: int = 0  # requests re-placed after their replica could not take them
+    num_marked_down: int = 0  # times a replica was found down
+    num_failed_mid_stream: int = 0
+    route_seconds: float = 0.0  # time spent tokenizing and placing, over all requests
+
+
+def build_frontend(
+    tokenizer: Tokenizer, router: Router, resolve: Resolve, api_key: str | None = None, poll_interval: float = 0.2
+) -> FastAPI:
+    state = FrontendState(router, resolve, [None] * len(router.replicas), api_key, poll_interval)
+    # One thread tokenizes (a Rust tokenizer is not for two threads at once), off the event loop.
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-route")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def poll_forever() -> None:
+        while True:
+            await asyncio.gather(*(poll(i) for i in range(len(router.replicas))))
+            await asyncio.sleep(poll_interval)
+
+    async def poll(i: int) -> None:
+        try:
+            if state.addresses[i] is None:
+                state.addresses[i] = await asyncio.wait_for(resolve(i), timeout=max(1.0, poll_interval * 5))
+            reply = await client.get(f"{state.addresses[i]}/kv_events", headers=headers, timeout=5.0)
+            reply.raise_for_status()
+            events = [(bool(s), bytes.fromhex(k)) for s, k in reply.json()["events"]]
+        except Exception as error:  # noqa: BLE001 - any failure to answer is a replica down
+            if router.replicas[i].live:
+                logger.warning("replica %d is down (%s)", i, error)
+                mark_down(i)
+            state.addresses[i] = None  # ask where it is again: a restarted replica may have moved
+            return
+        if not router.replicas[i].live:
+            logger.info("replica %d is back after %.1f s", i, time.monotonic() - state.down_since.pop(i, 0.0))
+            router.mark_up(i)
+        router.apply_events(i, events)
+
+    def mark_down(i: int) -> None:
+        router.mark_down(i)
+        state.down_since[i] = time.monotonic()
+        state.addresses[i] = None
+        state.num_marked_down += 1
+
+    def routing_ids(path: str, body: dict) -> list[int]:
+        if path.endswith("chat/completions"):
+            return tokenizer.apply_chat_template(body.get("messages") or [], body.get("tools"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch of prompts: placed by the first
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        return [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
+
+    async def place(path: str, raw: bytes, exclude: tuple[int, ...]) -> Placement:
+        start = time.perf_counter()
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(tokenizing, routing_ids, path, json.loads(raw))
+        except Exception:  # noqa: BLE001 - a body the replica will refuse: placed by load alone
+            ids = []
+        placement = router.route(ids, exclude=exclude)
+        state.route_seconds += time.perf_counter() - start
+        return placement
+
+    async def forward(request: Request) -> Response:
+        raw = await request.body()
+        path = request.url.path
+        forward_headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
+        tried: list[int] = []
+        while True:
+            try:
+                placement = await place(path, raw, tuple(tried))
+            except NoReplicaError as error:
+                body = {"error": {"message": str(error), "type": "service_unavailable", "code": 503}}
+                return JSONResponse(body, status_code=503)
+            address = state.addresses[placement.replica]
+            upstream = None
+            try:
+                if address is None:
+                    raise httpx.ConnectError("replica address unknown")
+                upstream = await client.send(
+                    client.build_request("POST", address + path, content=raw, headers=forward_headers), stream=True
+                )
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")
+            except _LOST as error:
+                if upstream is not None:
+                    await upstream.aclose()
+                router.finished(placement)
+                logger.warning(
+                    "replica %d lost before answering (%s): placing the request again", placement.replica, error
+                )
+                if router.replicas[placement.replica].live:
+                    mark_down(placement.replica)
+                tried.append(placement.replica)
+                state.num_retried += 1
+                continue
+            return StreamingResponse(
+                relay(upstream, chunks, first, placement),
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+            )
+
+    async def relay(
+        upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, placement: Placement
+    ) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                yield chunk
+        except _LOST as error:
+            state.num_failed_mid_stream += 1
+            message = f"the replica serving this request was lost mid-reply ({error!r}); retry the request"
+            yield b"data: " + json.dumps({"error": {"message": message, "type": "replica_lost"}}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            await upstream.aclose()
+            router.finished(placement)
+
+    async def models() -> Response:
+        for i, address in enumerate(state.addresses):
+            if address is not None and router.replicas[i].live:
+                reply = await client.get(f"{address}/v1/models", headers=headers)
+                return Response(reply.content, reply.status_code, media_type="application/json")
+        return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+
+    async def health() -> Response:
+        up = [view.live for view in router.replicas]
+        body = {"status": "ok" if any(up) else "dead", "replicas": ["up" if u else "down" for u in up]}
+        return JSONResponse(body, status_code=200 if any(up) else 503)
+
+    async def replica_json(i: int, page: str) -> dict | None:
+        address = state.addresses[i]
+        if address is None:
+            return None
+        try:
+            reply = await client.get(f"{address}/{page}", headers=headers, timeout=5.0)
+            return reply.json() if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def stats() -> dict:
+        per_replica = await asyncio.gather(*(replica_json(i, "stats") for i in range(len(router.replicas))))
+        return {
+            "router": router_stats(state),
+            "replicas": [s if s is not None else {"status": "down"} for s in per_replica],
+            "total": sum_numbers([s for s in per_replica if s is not None]),
+        }
+
+    async def metrics() -> Response:
+        lines = [f"pagedllm_router_{k} {v}" for k, v in router_stats(state).items() if isinstance(v, (int, float))]
+        seen: set[str] = set()  # each HELP / TYPE line once, for every replica's samples
+        for i in range(len(router.replicas)):
+            address = state.addresses[i]
+            if address is None:
+                continue
+            try:
+                reply = await client.get(f"{address}/metrics", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            for line in reply.text.splitlines():
+                if line.startswith("#"):
+                    if line in seen:
+                        continue
+                    seen.add(line)
+                lines.append(labelled(line, i))
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def replica_page(i: int, page: str, request: Request) -> Response:
+        if not 0 <= i < len(router.replicas) or state.addresses[i] is None:
+            return JSONResponse({"error": {"message": f"replica {i} is not up", "type": "not_found_error"}}, 404)
+        reply = await client.get(f"{state.addresses[i]}/{page}", params=request.query_params, headers=headers)
+        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.gather(*(poll(i) for i in range(len(router.replicas))))
+        poller = asyncio.create_task(poll_forever())
+        yield
+        poller.cancel()
+        await client.aclose()
+        tokenizing.shutdown(wait=False)
+
+    app = FastAPI(title="pagedllm (data parallel)", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.frontend = state
+    app.add_api_route("/v1/completions", forward, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/stats", stats, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/replicas/{i}/{page:path}", replica_page, methods=["GET"])
+    return app
+
+
+def router_stats(state: FrontendState) -> dict:
+    router = state.router
+    return {
+        "policy": router.policy,
+        "replicas_up": sum(view.live for view in router.replicas),
+        "requests_routed": router.num_routed,
+        "requests_routed_by_load": router.num_routed_by_load,
+        "requests_retried": state.num_retried,
+        "requests_failed_mid_stream": state.num_failed_mid_stream,
+        "replicas_marked_down": state.num_marked_down,
+        "in_flight": [view.in_flight for view in router.replicas],
+        "addresses": list(state.addresses),
+        "route_ms_mean": round(1e3 * state.route_seconds / max(1, router.num_routed), 3),
+    }
+
+
+def sum_numbers(items: list[dict]) -> dict:
+    """Field by field (nested dicts too), the sum of the counts in the replicas' /stats; rates
+    (`*_rate`) do not add up and are left out."""
+    total: dict = {}
+    for item in items:
+        for key, value in item.items():
+            if isinstance(value, dict):
+                total[key] = sum_numbers([total.get(key, {}), value])
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and not key.endswith("_rate"):
+                total[key] = total.get(key, 0) + value
+    return {key: value for key, value in total.items() if value != {}}
+
+
+def labelled(line: str, replica: int) -> str:
+    """A Prometheus sample line with replica="i" added to its labels (comments as they are)."""
+    if not line or line.startswith("#"):
+        return line
+    name, _, rest = line.partition(" ")
+    if "{" in name:
+        return name.replace("{", f'{{replica="{replica}",', 1) + " " + rest
+    return f'{name}{{replica="{replica}"}} {rest}'

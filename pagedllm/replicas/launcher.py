@@ -1,0 +1,139 @@
+"""Engine replicas placed, watched and restarted by Ray.
+
+Each replica is a Ray actor whose process runs `pagedllm serve` (with `--kv-events`) as its
+child, on a port of its node, with `cores` threads.  The child is tied to the actor: it
+gets SIGKILL when the actor's process dies (PR_SET_PDEATHSIG), and the actor exits when the
+child does, so a replica lost either way is one dead actor, which Ray starts again
+(`max_restarts=-1`) on a node with room; the front-end finds its new address through
+`address()`.
+
+On one machine (no `--ray-address`) Ray starts a local instance with the machine's cores,
+and each of N replicas gets cores // N of them (at least 1), pinned to its own cores
+(taskset-style affinity), so replicas do not compete for a core.  On a cluster each replica
+asks Ray for `cores` CPUs and runs that many threads; Ray picks the node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the replica's server process: SIGKILL when the actor that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def node_address() -> str:
+    """An address other nodes can reach this one at (the loopback one on a single machine)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray: this machine only
+        return "127.0.0.1"
+
+
+class ReplicaServer:
+    """The body of a replica actor: `pagedllm serve` as a child process tied to this one."""
+
+    def __init__(self, index: int, serve_args: list[str], cores: int, pin: list[int] | None, start_timeout: float):
+        self.index, self.port, self.host = index, free_port(), node_address()
+        command = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--kv-events"]
+        command += ["--host", "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1", "--port", str(self.port)]
+        command += ["--num-threads", str(cores)]
+
+        def prepare() -> None:
+            _die_with_parent()
+            if pin:
+                os.sched_setaffinity(0, pin)
+
+        self.process = subprocess.Popen(command, preexec_fn=prepare)  # noqa: PLW1509 - needed for PDEATHSIG
+        deadline = time.monotonic() + start_timeout
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"replica {index}'s server exited with {self.process.returncode} while starting")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"replica {index}'s server did not answer /health within {start_timeout:.0f} s")
+            time.sleep(0.2)
+        threading.Thread(target=self._exit_with_child, daemon=True).start()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def _exit_with_child(self) -> None:
+        self.process.wait()
+        os._exit(1)  # the actor dies with its server: Ray restarts both
+
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def server_pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class ReplicaSet:
+    """N replica actors; `resolve(i)` is replica i's address now (waiting while it restarts)."""
+
+    actors: list
+    cores: int
+
+    async def resolve(self, index: int) -> str:
+        return await self.actors[index].address.remote()
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+def start_replicas(
+    serve_args: list[str],
+    num_replicas: int,
+    ray_address: str | None = None,
+    cores: int | None = None,
+    start_timeout: float = 600.0,
+) -> ReplicaSet:
+    """Start `num_replicas` replicas (local Ray instance unless `ray_address`) and wait until each
+    answers /health; `cores` per replica (default: this machine's cores split evenly)."""
+    import ray
+
+    local = ray_address is None
+    machine_cores = len(os.sched_getaffinity(0))
+    cores = cores or max(1, machine_cores // num_replicas)
+    if not ray.is_initialized():
+        if local:
+            ray.init(num_cpus=max(machine_cores, cores * num_replicas), include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=ray_address, log_to_driver=True)
+    actor_class = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=-1)(ReplicaServer)
+    all_cores = sorted(os.sched_getaffinity(0))
+    actors = []
+    for i in range(num_replicas):
+        pin = all_cores[i * cores : (i + 1) * cores] if local and (i + 1) * cores <= len(all_cores) else None
+        actors.append(actor_class.remote(i, serve_args, cores, pin, start_timeout))
+    ray.get([actor.address.remote() for actor in actors])  # every replica up (or its error raised here)
+    return ReplicaSet(actors, cores)
