@@ -197,10 +197,13 @@ def build_frontend(
 
     async def stats() -> dict:
         per_replica = await asyncio.gather(*(replica_json(i, "stats") for i in range(len(router.replicas))))
+        total = sum_numbers([s for s in per_replica if s is not None])
+        queried = total.get("prefix_cache_queried_tokens", 0)
+        total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
         return {
             "router": router_stats(state),
             "replicas": [s if s is not None else {"status": "down"} for s in per_replica],
-            "total": sum_numbers([s for s in per_replica if s is not None]),
+            "total": total,
         }
 
     async def metrics() -> Response:

@@ -119,7 +119,10 @@ def start_replicas(
 ) -> ReplicaSet:
     """Start `num_replicas` replicas (local Ray instance unless `ray_address`) and wait until each
     answers /health; `cores` per replica (default: this machine's cores split evenly)."""
-    import ray
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError("--data-parallel-size and --ray-address need Ray: pip install 'ray>=2.40'") from error
 
     local = ray_address is None
     machine_cores = len(os.sched_getaffinity(0))

@@ -28,6 +28,8 @@ def engine_state(engine: LLMEngine) -> dict:
             "cached_blocks": pool.num_cached_blocks if pool is not None else 0,
         },
         "prefix_cache_hit_rate": scheduler.prefix_cache_hit_tokens / queried if queried else 0.0,
+        "prefix_cache_queried_tokens": queried,
+        "prefix_cache_hit_tokens": scheduler.prefix_cache_hit_tokens,
         "forks": scheduler.num_forks,
         # Sliding-window layers' blocks given back while their requests ran (core/layer_groups.py).
         "kv_blocks_freed_by_window": getattr(kv, "num_blocks_freed_by_window", 0),
