@@ -93,6 +93,10 @@ def test_shared_prefixes_land_together_and_streams_pass_through(frontend):
     assert sorted(rates)[0] == 0.0 and max(rates) > 0.5  # one replica took all four: its cache served 3
     stream = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream)
+    page = httpx.get(frontend + "/dashboard").text
+    assert 'src="replicas/0/dashboard"' in page and 'src="replicas/1/dashboard"' in page
+    state = httpx.get(frontend + "/replicas/1/dashboard/state")  # what replica 1's page fetches
+    assert state.status_code == 200 and "blocks" in state.text
     metrics = httpx.get(frontend + "/metrics").text
     assert 'replica="0"' in metrics and 'replica="1"' in metrics and "pagedllm_router_requests_routed" in metrics
 

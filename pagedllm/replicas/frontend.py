@@ -18,7 +18,8 @@ Faults:
   `resolve` gives for it then (a restarted replica may listen elsewhere).
 
 `/health` is ok while any replica is up; `/stats` and `/metrics` give every replica's and the
-totals; `/replicas/{i}/...` reaches replica i's own pages (its dashboard, its stats).
+totals; `/replicas/{i}/...` reaches replica i's own pages (its dashboard, its stats), and
+`/dashboard` shows every replica's dashboard side by side.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.replicas.router import NoReplicaError, Placement, Router
 from pagedllm.text.tokenizer import Tokenizer
@@ -231,6 +232,20 @@ def build_frontend(
         reply = await client.get(f"{state.addresses[i]}/{page}", params=request.query_params, headers=headers)
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
+    async def dashboard() -> HTMLResponse:
+        """Every replica's live dashboard, side by side (each is the replica's own page, proxied)."""
+        frames = "".join(
+            f"<section><h2>replica {i} ({'up' if view.live else 'down'})</h2>"
+            f'<iframe src="replicas/{i}/dashboard" title="replica {i}"></iframe></section>'
+            for i, view in enumerate(router.replicas)
+        )
+        style = "body{font-family:sans-serif;margin:1em}iframe{width:100%;height:640px;border:1px solid #ccc}"
+        return HTMLResponse(
+            f"<!doctype html><title>pagedllm replicas</title><style>{style}</style>"
+            f"<h1>{len(router.replicas)} replicas, router {router.policy}</h1>"
+            f'<p>Counts over all replicas: <a href="stats">/stats</a>, <a href="metrics">/metrics</a></p>{frames}'
+        )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(*(poll(i) for i in range(len(router.replicas))))
@@ -248,6 +263,7 @@ def build_frontend(
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/dashboard", dashboard, methods=["GET"])
     app.add_api_route("/replicas/{i}/{page:path}", replica_page, methods=["GET"])
     return app
 

@@ -138,5 +138,14 @@ def start_replicas(
     for i in range(num_replicas):
         pin = all_cores[i * cores : (i + 1) * cores] if local and (i + 1) * cores <= len(all_cores) else None
         actors.append(actor_class.remote(i, serve_args, cores, pin, start_timeout))
-    ray.get([actor.address.remote() for actor in actors])  # every replica up (or its error raised here)
+    try:  # every replica up (or its error raised here)
+        ray.get([actor.address.remote() for actor in actors], timeout=start_timeout + 60)
+    except ray.exceptions.GetTimeoutError as error:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        free = ray.available_resources().get("CPU", 0)
+        raise ValueError(
+            f"{num_replicas} replicas of {cores} CPUs were not all up within {start_timeout + 60:.0f} s "
+            f"(Ray has {free:g} CPUs free: is the cluster big enough?)"
+        ) from error
     return ReplicaSet(actors, cores)
