@@ -93,6 +93,8 @@ def test_shared_prefixes_land_together_and_streams_pass_through(frontend):
     assert sorted(rates)[0] == 0.0 and max(rates) > 0.5  # one replica took all four: its cache served 3
     stream = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream)
+    tokens = httpx.post(frontend + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert httpx.post(frontend + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello world"
     page = httpx.get(frontend + "/dashboard").text
     assert 'src="replicas/0/dashboard"' in page and 'src="replicas/1/dashboard"' in page
     state = httpx.get(frontend + "/replicas/1/dashboard/state")  # what replica 1's page fetches

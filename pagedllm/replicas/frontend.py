@@ -181,6 +181,15 @@ def build_frontend(
                 return Response(reply.content, reply.status_code, media_type="application/json")
         return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
 
+    async def any_replica(request: Request) -> Response:
+        """/tokenize and /detokenize: every replica answers them alike; the first one up does."""
+        body, auth = await request.body(), {k: v for k, v in request.headers.items() if k == "authorization"}
+        for i, address in enumerate(state.addresses):
+            if address is not None and router.replicas[i].live:
+                reply = await client.post(address + request.url.path, content=body, headers=auth)
+                return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+        return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+
     async def health() -> Response:
         up = [view.live for view in router.replicas]
         body = {"status": "ok" if any(up) else "dead", "replicas": ["up" if u else "down" for u in up]}
@@ -260,6 +269,8 @@ def build_frontend(
     app.add_api_route("/v1/completions", forward, methods=["POST"])
     app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/tokenize", any_replica, methods=["POST"])
+    app.add_api_route("/detokenize", any_replica, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])

@@ -25,7 +25,7 @@ class _Replica:
     def __init__(self, model: str | None, cores: int, pin: list[int] | None, engine_args: dict) -> None:
         if pin:
             os.sched_setaffinity(0, pin)
-        from pagedllm import LLM
+        from pagedllm.llm import LLM
 
         self.llm = LLM(model, num_threads=cores, **engine_args)
 
