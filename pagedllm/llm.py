@@ -15,6 +15,22 @@ Prompt = str | list[int]
 Messages = list[dict[str, str]]
 
 
+def prompts_and_params(
+    prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    """A prompt or a list of them, and one SamplingParams for all (or None: the defaults) or one
+    per prompt, as two lists of the same length."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    return prompts, params
+
+
 class LLM:
     """An engine for offline batches.  Keyword arguments are `EngineConfig` fields
     (e.g. `LLM(dtype="float32", block_size=16, kv_cache_memory="2GiB")`)."""
@@ -46,15 +62,9 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in the prompts' order.  A prompt is text or a list of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts, params = prompts_and_params(prompts, params)
         if not prompts:
             return []
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}

@@ -115,3 +115,18 @@ def hf_model():
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of two nodes, one CPU each (Ray's own multi-node test cluster); a module's
+    tests share it, and the driver is disconnected when it goes."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

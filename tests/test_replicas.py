@@ -38,14 +38,8 @@ def test_totals_add_counts_not_rates_and_metrics_carry_the_replica():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster
-    cluster.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,8 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 def test_offline_generate_spreads_prompts_over_replicas_and_keeps_their_order(cluster):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.llm import prompts_and_params
 from pagedllm.replicas.router import Router
 
 
@@ -89,13 +90,9 @@ class DataParallelLLM:
         """One output per prompt, in the prompts' order (text or token ids, as `LLM.generate`)."""
         import ray
 
-        prompts = list(prompts)
+        prompts, params = prompts_and_params(prompts, params)
         if not prompts:
             return []
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = ray.get(self.replicas[0].token_ids.remote(prompts))
         # Offline, load is each replica's share so far: shared prefixes stay together until a
         # replica has a quarter of an even share more than the least loaded one.
