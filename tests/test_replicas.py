@@ -89,6 +89,10 @@ def test_shared_prefixes_land_together_and_streams_pass_through(frontend):
     assert "".join(chunk.choices[0].text for chunk in stream)
     tokens = httpx.post(frontend + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     assert httpx.post(frontend + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello world"
+    too_big = httpx.post(frontend + "/v1/completions", content=b"x" * (5 * 2**20))  # over the 4 MiB default
+    assert too_big.status_code == 413
+    bad = httpx.post(frontend + "/v1/completions", content=b"{not json")  # the replica's own 400, passed back
+    assert bad.status_code == 400 and "error" in bad.json()
     page = httpx.get(frontend + "/dashboard").text
     assert 'src="replicas/0/dashboard"' in page and 'src="replicas/1/dashboard"' in page
     state = httpx.get(frontend + "/replicas/1/dashboard/state")  # what replica 1's page fetches

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.replicas.router import NoReplicaError, Placement, Router
+from pagedllm.serving.request_body import BodySizeLimit
 from pagedllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -60,8 +61,17 @@ class FrontendState:
     route_seconds: float = 0.0  # time spent tokenizing and placing, over all requests
 
 
+# Routing reads a text prompt's first characters only: the leading blocks are what it matches.
+ROUTING_CHARS = 1 << 15
+
+
 def build_frontend(
-    tokenizer: Tokenizer, router: Router, resolve: Resolve, api_key: str | None = None, poll_interval: float = 0.2
+    tokenizer: Tokenizer,
+    router: Router,
+    resolve: Resolve,
+    api_key: str | None = None,
+    poll_interval: float = 0.2,
+    max_body_bytes: int = 4 * 2**20,
 ) -> FastAPI:
     state = FrontendState(router, resolve, [None] * len(router.replicas), api_key, poll_interval)
     # One thread tokenizes (a Rust tokenizer is not for two threads at once), off the event loop.
@@ -105,7 +115,7 @@ def build_frontend(
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts: placed by the first
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return tokenizer.encode(prompt[:ROUTING_CHARS])
         return [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
 
     async def place(path: str, raw: bytes, exclude: tuple[int, ...]) -> Placement:
@@ -266,6 +276,7 @@ def build_frontend(
 
     app = FastAPI(title="pagedllm (data parallel)", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.frontend = state
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # as each replica's: never read a huge body
     app.add_api_route("/v1/completions", forward, methods=["POST"])
     app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])

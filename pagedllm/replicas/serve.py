@@ -44,7 +44,11 @@ def serve_data_parallel(args: argparse.Namespace, serve_argv: list[str], block_s
     try:
         router = Router(n, block_size, args.router)
         api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-        app = build_frontend(Tokenizer(model_path), router, replicas.resolve, api_key)
+        from pagedllm.config import parse_bytes
+
+        app = build_frontend(
+            Tokenizer(model_path), router, replicas.resolve, api_key, max_body_bytes=parse_bytes(args.max_body_size)
+        )
         logger.info(
             "serving %d replicas (%d cores each, router %s) on http://%s:%d/v1",
             n, replicas.cores, args.router, args.host, args.port,
