@@ -161,6 +161,11 @@ def build_frontend(
                 tried.append(placement.replica)
                 state.num_retried += 1
                 continue
+            except BaseException:  # the client went away (cancelled) or another failure: undo the placement
+                if upstream is not None:
+                    await upstream.aclose()
+                router.finished(placement)
+                raise
             return StreamingResponse(
                 relay(upstream, chunks, first, placement),
                 status_code=upstream.status_code,
