@@ -154,6 +154,22 @@ class EngineConfig:
         "spawns N-1 workers unless --distributed-init-method",
         kind="int",
     )
+    speculative: str = setting(
+        "off",
+        "speculative decoding without a second model (docs/speculative.md): ngram (prompt lookup) or suffix "
+        "(suffix tree over the request and recent outputs) draft tokens, verified in the normal step; "
+        "greedy output is unchanged, sampled output keeps its distribution",
+        choices=("off", "ngram", "suffix"),
+    )
+    num_speculative_tokens: int = setting(
+        6, "most draft tokens per request and step (the policy gives fewer where they do not pay)", kind="int"
+    )
+    speculative_row_cost: float | None = setting(
+        None,
+        "a decode step's cost per row over its cost with no rows, which decides how many drafts pay "
+        "(default: measured at start)",
+        kind="float",
+    )
     distributed_init_method: str | None = setting(
         None, "join ranks started by a launcher: env:// (torchrun), tcp://HOST:PORT or file://PATH", kind="str"
     )
@@ -172,7 +188,15 @@ class EngineConfig:
             if choices and getattr(self, f.name) not in choices:
                 allowed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
                 raise ValueError(f"{f.name} must be {allowed}, got {getattr(self, f.name)!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+        if self.speculative_row_cost is not None and not self.speculative_row_cost > 0:
+            raise ValueError(f"speculative_row_cost must be positive, got {self.speculative_row_cost!r}")
+        for name in (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "num_speculative_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

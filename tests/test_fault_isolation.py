@@ -79,13 +79,13 @@ def test_a_grammar_that_fails_while_masking_ends_its_request_alone(llm, monkeypa
     real = StructuredOutputs.apply_masks
     poisoned: set[str] = set()
 
-    def apply_masks(self, logits, sequence_ids):
+    def apply_masks(self, logits, sequence_ids, prefixes=None):
         if not poisoned:
             poisoned.update(s for s in sequence_ids if s in self.matchers)
         for sequence_id in sequence_ids:
             if sequence_id in poisoned:
                 raise StructuredOutputError(sequence_id, "injected: the grammar is too complex")
-        return real(self, logits, sequence_ids)
+        return real(self, logits, sequence_ids, prefixes)
 
     monkeypatch.setattr(StructuredOutputs, "apply_masks", apply_masks)
     # The constrained request sits first in the batch: the row-by-row pass meets it before any other.

@@ -28,7 +28,7 @@ def step(s: Scheduler, tokens: dict[str, int] | None = None):
     for chunk in out.scheduled:
         if chunk.samples:
             for seq in (chunk.request, *chunk.forks):
-                sampled[seq.request_id] = (tokens or {}).get(seq.request_id, 7)
+                sampled[seq.request_id] = [(tokens or {}).get(seq.request_id, 7)]
     s.update(out, sampled)
     return out
 

@@ -20,7 +20,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float 
 
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
-    sampled = {c.request.request_id: token for c in out.scheduled if c.samples}
+    sampled = {c.request.request_id: [token] for c in out.scheduled if c.samples}
     finished = scheduler.update(out, sampled)
     return out, finished
 

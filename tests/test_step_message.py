@@ -130,5 +130,5 @@ def test_worker_tables_follow_the_scheduler(requests, num_blocks, aborts):
             assert chunk.block_table == kv.block_table(sent.request.request_id)
             assert (chunk.start, chunk.token_ids, chunk.num_samples) == (sent.start, sent.token_ids, sent.num_samples)
         assert set(worker.tables) <= {encoder.handles.get(s) for s in alive}
-        sampled = {s.request_id: 7 for c in out.scheduled if c.samples for s in (c.request, *c.forks)}
+        sampled = {s.request_id: [7] for c in out.scheduled if c.samples for s in (c.request, *c.forks)}
         scheduler.update(out, sampled)

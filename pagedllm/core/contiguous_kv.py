@@ -127,6 +127,9 @@ class ContiguousKVCacheManager:
                 return start
         return None
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Nothing to give back: a request's reservation is one run of blocks for its whole length."""
+
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)
         if not table:

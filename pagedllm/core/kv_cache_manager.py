@@ -308,6 +308,21 @@ class KVCacheManager:
             self.num_blocks_freed_by_window += len(released)
             self._forget_pending()
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks covering its first `num_tokens` tokens, giving back
+        the blocks wholly past them (speculative decoding's rejected draft tokens).  Those blocks
+        hold no computed token, so none of them is named in the prefix cache."""
+        table = self.block_tables.get(request_id)
+        keep = self.blocks_for_tokens(num_tokens) * self.num_groups
+        if not table or len(table) <= keep:
+            return
+        if len(self.block_keys.get(request_id, ())) * self.num_groups > keep:
+            raise ValueError(f"request {request_id}: truncating to {num_tokens} tokens would drop a named block")
+        released = [b for b in reversed(table[keep:]) if b != FREED]
+        del table[keep:]
+        self.pool.free_blocks(released)
+        self._forget_pending()
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's whole table; every block gains a holder (nothing is copied yet)."""
         if child_id in self.block_tables:

@@ -10,6 +10,12 @@ come first served.  While some request decodes, the step's prefill tokens
 steps instead of stalling every decode behind one long step.  When the cache
 runs out of blocks, the latest-arrived running request is preempted: it gives
 back all its blocks and waits, to be recomputed later.
+
+Speculative decoding (core/speculation.py): a decoding request may get draft tokens, and
+then computes its pending token and the drafts in one chunk.  The runner samples the
+model's token at each of them; `update` keeps the drafts that match and the first model
+token after them, counts only those as computed, and gives back the blocks wholly past
+them.  Prefix-cache keys are made of computed tokens only, so never of a rejected draft.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import FinishReason, Request, RequestStatus
+from pagedllm.core.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -35,10 +42,14 @@ class ScheduledRequest:
     # n>1: samples that fork from this request at this chunk's token; each samples its own token
     # from the same logits, then holds the request's blocks (copy-on-write from then on).
     forks: list[Request] = field(default_factory=list)
+    # Speculative decoding: tokens guessed to follow the request's pending token, computed after it.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids[self.start : self.start + self.num_new_tokens]
+        end = self.start + self.num_new_tokens - len(self.draft_token_ids)
+        ids = self.request.token_ids[self.start : end]
+        return ids + self.draft_token_ids if self.draft_token_ids else ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,9 +92,13 @@ class Scheduler:
         max_num_seqs: int,
         prefill_tokens_with_decodes: int | None = None,
         prompt_salt: Callable[[int], bytes] | None = None,
+        speculation: Speculation | None = None,
+        draft_filter: Callable[[Request, list[int]], int] | None = None,
     ) -> None:
         """`prompt_salt`: what, given a prompt's length, besides its tokens makes a request's KV
-        differ (mixed into its prefix-cache keys); None: nothing."""
+        differ (mixed into its prefix-cache keys); None: nothing.  `speculation`: draft tokens for
+        decoding requests (None: off); `draft_filter(request, draft)`: how many leading draft
+        tokens the request can take at all (its grammar's say)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -95,6 +110,8 @@ class Scheduler:
         self.prefill_tokens_with_decodes = prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.prompt_salt = prompt_salt
+        self.speculation = speculation
+        self.draft_filter = draft_filter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -126,11 +143,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_budget()
         self.kv_cache.begin_step()
+        drafts = self._plan_drafts(prefill_budget) if self.speculation is not None else {}
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
+            if draft:
+                if not self._allocate_or_preempt(request, 1 + len(draft), output):
+                    break
+                output.scheduled.append(self._chunk(request, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                index += 1
+                continue
             if num_new > 1:
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:  # the prefill share is spent: this chunk waits, later decodes still run
@@ -192,9 +218,26 @@ class Scheduler:
             return cap
         return self.max_num_batched_tokens
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan_drafts(self, prefill_budget: int) -> dict[str, list[int]]:
+        decoding, other_rows = [], 0
+        for r in self.running:
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining == 1 and not r.forks and r.sampling_params.beam_width == 1:
+                decoding.append(r)
+            elif remaining > 1:
+                other_rows += remaining
+        other_rows = min(other_rows, prefill_budget)
+        allowance = self.max_num_batched_tokens - len(self.running) - other_rows
+        drafts = self.speculation.plan(decoding, other_rows, allowance)
+        if self.draft_filter is not None:
+            by_id = {r.request_id: r for r in decoding}
+            for request_id, draft in drafts.items():
+                drafts[request_id] = draft[: self.draft_filter(by_id[request_id], draft)]
+        return drafts
+
+    def _chunk(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens
+        samples = start + num_new == request.num_tokens + len(draft or ())
         return ScheduledRequest(
             request,
             start,
@@ -202,6 +245,7 @@ class Scheduler:
             self.kv_cache.block_table(request.request_id),
             samples,
             list(request.forks) if samples else [],
+            list(draft or ()),
         )
 
     def _allocate_running(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
@@ -235,12 +279,16 @@ class Scheduler:
         # Victims are the latest running arrivals, yet earlier than every waiting request.
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; return requests that finished."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append each sequence's sampled tokens (one, or with draft tokens
+        the accepted drafts and the model's next token); return the sequences that finished."""
         finished = []
         for chunk in output.scheduled:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.draft_token_ids:
+                self._apply_verification(chunk, sampled.get(request.request_id))
+            else:
+                request.num_computed_tokens += chunk.num_new_tokens
             # Before a possible finish frees them, so a finished prompt stays findable.
             self.kv_cache.cache_full_blocks(
                 request.request_id, request.token_ids, request.num_computed_tokens, self._salt(request)
@@ -249,14 +297,28 @@ class Scheduler:
                 request.forks.remove(child)
                 self.fork(request, child)
             for sequence in (request, *chunk.forks):
-                token = sampled.get(sequence.request_id)
-                if token is None:
-                    continue
-                reason = sequence.append_token(token)
-                if reason is not None:
-                    self.finish(sequence, reason)
-                    finished.append(sequence)
+                for token in sampled.get(sequence.request_id, ()):
+                    reason = sequence.append_token(token)
+                    if reason is not None:  # tokens after a stop are dropped
+                        self.finish(sequence, reason)
+                        finished.append(sequence)
+                        break
         return finished
+
+    def _apply_verification(self, chunk: ScheduledRequest, tokens: list[int] | None) -> None:
+        """The pending token and the accepted drafts are computed; the slots of the rejected ones
+        are not, and the blocks wholly past the computed tokens and the new one go back."""
+        request, draft = chunk.request, chunk.draft_token_ids
+        accepted = len(tokens) - 1 if tokens else 0
+        if tokens and (accepted > len(draft) or tokens[:accepted] != draft[:accepted]):
+            raise ValueError(
+                f"verification of {request.request_id} returned {tokens}, which does not start with "
+                f"its accepted draft tokens (draft {draft})"
+            )
+        request.num_computed_tokens = chunk.start + 1 + accepted
+        self.kv_cache.truncate(request.request_id, request.num_computed_tokens + 1)
+        if tokens:
+            self.speculation.record(request.request_id, len(draft), accepted)
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts running on the parent's blocks: its first `parent.num_computed_tokens`
@@ -280,5 +342,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        if self.speculation is not None:
+            self.speculation.finish(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

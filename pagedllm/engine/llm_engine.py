@@ -17,12 +17,14 @@ from pagedllm.core.request import Request
 from pagedllm.core.request_group import RequestGroup
 from pagedllm.core.sampling_params import SamplingParams, StructuredOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.speculation import Speculation
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.engine.intake import RequestIntake
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.execution.step_cost import measure_row_cost
 from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import AdaptiveThreads
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -119,12 +121,15 @@ class LLMEngine:
                 num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
             )
         rotary = built.model.rotary
+        self.speculation = self._speculation(config)
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.prefill_tokens_with_decodes,
             prompt_salt=rotary.cache_salt if rotary.length_dependent else None,
+            speculation=self.speculation,
+            draft_filter=self._draft_filter if self.speculation is not None else None,
         )
         tokens = num_blocks * config.block_size
         c = model_config
@@ -179,6 +184,31 @@ class LLMEngine:
         self.memory = KVMemoryTracker()
         self._step_failures = 0  # forward-pass failures in a row
         self._step_error = ""
+
+    def _speculation(self, config: EngineConfig) -> Speculation | None:
+        if config.speculative == "off":
+            return None
+        if config.tensor_parallel_size > 1 and config.speculative_row_cost is None:
+            # The measurement runs steps on rank 0 alone, which the other ranks would not join.
+            raise ValueError(
+                "speculative decoding with tensor parallelism needs speculative_row_cost "
+                "(--speculative-row-cost): measure it on one rank, where the engine logs it at start"
+            )
+        row_cost = config.speculative_row_cost or measure_row_cost(self.runner)
+        logger.info(
+            "speculative decoding: %s drafts, at most %d per request and step (row cost %.3f)",
+            config.speculative,
+            config.num_speculative_tokens,
+            row_cost,
+        )
+        return Speculation.build(config.speculative, config.num_speculative_tokens, row_cost)
+
+    def _draft_filter(self, request: Request, draft: list[int]) -> int:
+        """How many leading draft tokens the request's grammar allows (all, unconstrained)."""
+        try:
+            return self.runner.structured.valid_prefix(request.request_id, draft)
+        except Exception:  # the grammar's own fault shows (and ends the request) when it samples
+            return 0
 
     def _layout_description(self) -> str:
         config = self.config

@@ -47,15 +47,16 @@ class OutputProcessor:
         }
         # Beams do not take their sampled token: the search chooses among their candidates below.
         candidates = {
-            s: result.logprobs[s][1]
+            s: result.logprobs[s][0][1]  # beams take no draft tokens: one token each
             for s in result.sampled
             if group_of[s].beam is not None and group_of[s].request_id not in failed
         }
-        sampled = {s: token for s, token in result.sampled.items() if s not in candidates}
-        for seq_id in sampled:
-            if seq_id in result.logprobs:
-                self.table.sequences[seq_id].logprobs.append(result.logprobs[seq_id])
+        sampled = {s: tokens for s, tokens in result.sampled.items() if s not in candidates}
+        before = {s: self.table.sequences[s].num_output_tokens for s in sampled if s in result.logprobs}
         self.scheduler.update(scheduled, sampled)
+        for seq_id, num_before in before.items():  # the tokens a stop left standing
+            sequence = self.table.sequences[seq_id]
+            sequence.logprobs.extend(result.logprobs[seq_id][: sequence.num_output_tokens - num_before])
 
         updated: dict[str, RequestGroup] = {}
         for group, why, by_grammar in failed.values():

@@ -1,7 +1,10 @@
 """Turns a scheduler output into tensors, runs the model, samples.
 
-The runner owns the KV cache tensors (one per layer) and the per-request
-random generators; it makes no scheduling decisions.  Under tensor
+The runner owns the KV cache tensors (one per layer); it makes no scheduling
+decisions.  A chunk with draft tokens (speculative decoding) runs as one decode
+row per position (`VerifyRow`), and each row is sampled as if the drafts before
+it were accepted (`SampleRow`); the drafts are kept while they equal the
+sampled tokens.  Under tensor
 parallelism every rank has a runner over its slice of the model and KV
 cache: rank 0's `execute` first broadcasts the step as increments (see
 pagedllm/core/step_message.py), every rank then `run`s the same step, and only
@@ -25,10 +28,10 @@ import torch
 
 from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.logits_processors import TokenHistory
-from pagedllm.execution.sampler import Sampler
+from pagedllm.execution.sampler import Sampler, token_seed
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.models.llama import LlamaModel
@@ -49,8 +52,11 @@ class StepTensors:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # Per sequence, the tokens it emits this step: one, or with draft tokens the accepted drafts
+    # and the model's token after them.
+    sampled: dict[str, list[int]]
+    # Per sequence that asked, one (logprob of the token, [(token id, logprob)] top alternatives) per emitted token.
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]
     # Sequences whose row allowed no token at all (every token masked): the engine ends them.
     exhausted: set[str] = field(default_factory=set)
     # Sequences whose sampling raised, with what went wrong: the engine fails their requests.
@@ -58,6 +64,63 @@ class ModelRunnerOutput:
     # Of those, the ones whose own grammar failed (a constraint too complex for the grammar engine):
     # the request's input is at fault, not the engine.
     failed_by_grammar: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row of logits to sample: a sequence's next token after its tokens and `drafts_before`
+    (the draft tokens before this position, taken as accepted)."""
+
+    request: Request
+    drafts_before: list[int]
+    draft: int | None  # the draft token at this position (None: the last row, or no drafts)
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One position of a chunk with draft tokens, run as a one-token decode row: attention of the
+    token at `start` over every slot before it, which the rows before it write in the same layer
+    pass (each layer writes all the step's K/V before any attention reads it).  So a chunk with k
+    drafts is k + 1 decode rows sharing one block table, and takes the decode kernels, the fused
+    one-call step and CUDA graphs alike."""
+
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_prompt_tokens: int
+    num_samples: int = 1
+
+    @property
+    def num_new_tokens(self) -> int:
+        return 1
+
+
+def model_chunks(scheduled: Sequence[ScheduledRequest]) -> list[tuple[str, Chunk]]:
+    """The chunks the model runs, by sequence id: chunks with draft tokens as one row per position."""
+    chunks: list[tuple[str, Chunk]] = []
+    for c in scheduled:
+        if not c.draft_token_ids:
+            chunks.append((c.request.request_id, c))
+            continue
+        for j, token in enumerate(c.token_ids):
+            row = VerifyRow(c.start + j, [token], c.block_table, c.num_prompt_tokens)
+            chunks.append((c.request.request_id, row))
+    return chunks
+
+
+def sample_rows(scheduled: Sequence[ScheduledRequest]) -> list[SampleRow]:
+    rows = []
+    for c in scheduled:
+        if not c.samples:
+            continue
+        if c.draft_token_ids:
+            drafts = c.draft_token_ids
+            rows += [
+                SampleRow(c.request, drafts[:j], drafts[j] if j < len(drafts) else None) for j in range(len(drafts) + 1)
+            ]
+        else:
+            rows += [SampleRow(r, [], None) for r in (c.request, *c.forks)]
+    return rows
 
 
 class ModelRunner:
@@ -95,7 +158,6 @@ class ModelRunner:
         self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]
         self.sampler = Sampler(seed, self.device, model.ops.kernels)
         self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
-        self.generators: dict[str, torch.Generator] = {}
         self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
         self.encoder = StepEncoder() if self.tp.size > 1 else None
         self.step_message_bytes = 0  # total bytes of step messages broadcast (rank 0, tensor parallel)
@@ -160,78 +222,100 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a scheduled step (on rank 0 under tensor parallelism) and sample."""
+        chunks = model_chunks(output.scheduled)
         if self.encoder is not None:
-            message = self.encoder.encode(((c.request.request_id, c) for c in output.scheduled), output.block_copies)
+            message = self.encoder.encode(chunks, output.block_copies)
             self.tp.broadcast_ints(message)
             self.step_message_bytes += 8 + 4 * len(message)  # the length, then the int32 payload
-        logits = self.run(output.scheduled, output.block_copies)
+        logits = self.run([c for _, c in chunks], output.block_copies)
         if logits is None:
             return ModelRunnerOutput({}, {})
-        requests = [r for c in output.scheduled if c.samples for r in (c.request, *c.forks)]
-        return self.sample(logits, requests)
+        return self.sample(logits, sample_rows(output.scheduled))
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
-        """One token per row, the whole batch at once; when that raises, row by row, so that a fault
-        (a request's settings, its grammar, its history) ends only the requests whose rows raise."""
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> ModelRunnerOutput:
+        """One token per row, the whole batch at once; when that raises, sequence by sequence, so that
+        a fault (a request's settings, its grammar, its history) ends only the requests whose rows raise."""
         try:
-            return self._sample_rows(logits, requests)
+            return self._sample_rows(logits, rows)
         except StructuredOutputError:
-            pass  # one sequence's grammar: found again and ended below, row by row
+            pass  # one sequence's grammar: found again and ended below, alone
         except Exception:
-            logger.warning("batched sampling failed; sampling the %d rows one by one", len(requests), exc_info=True)
+            logger.warning("batched sampling failed; sampling the %d rows one by one", len(rows), exc_info=True)
         result = ModelRunnerOutput({}, {})
-        for row, request in enumerate(requests):
+        start = 0
+        while start < len(rows):  # a sequence's rows (several with drafts) are consecutive
+            end = start + 1
+            while end < len(rows) and rows[end].request is rows[start].request:
+                end += 1
+            request_id = rows[start].request.request_id
             try:
-                one = self._sample_rows(logits[row : row + 1], [request])
+                one = self._sample_rows(logits[start:end], rows[start:end])
             except StructuredOutputError as error:
                 logger.warning("structured output failed: %s", error)
-                result.failed[request.request_id] = f"structured output failed: {error}"
-                result.failed_by_grammar.add(request.request_id)
-                continue
+                result.failed[request_id] = f"structured output failed: {error}"
+                result.failed_by_grammar.add(request_id)
             except Exception as error:
-                logger.exception("sampling failed for %s", request.request_id)
-                result.failed[request.request_id] = f"sampling failed: {error!r}"
-                continue
-            result.sampled.update(one.sampled)
-            result.logprobs.update(one.logprobs)
-            result.exhausted.update(one.exhausted)
-            result.failed.update(one.failed)
-            result.failed_by_grammar.update(one.failed_by_grammar)
+                logger.exception("sampling failed for %s", request_id)
+                result.failed[request_id] = f"sampling failed: {error!r}"
+            else:
+                result.sampled.update(one.sampled)
+                result.logprobs.update(one.logprobs)
+                result.exhausted.update(one.exhausted)
+                result.failed.update(one.failed)
+                result.failed_by_grammar.update(one.failed_by_grammar)
+            start = end
         return result
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
-        params = [r.sampling_params for r in requests]
-        generators = [self._generator(r.request_id, r.sampling_params.seed) for r in requests]
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow]) -> ModelRunnerOutput:
+        params = [row.request.sampling_params for row in rows]
+        seeds = [
+            None if p.seed is None else token_seed(p.seed, row.request.num_output_tokens + len(row.drafts_before))
+            for p, row in zip(params, rows)
+        ]
         histories = None
         if any(p.processes_logits for p in params):
-            histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids, r.eos_token_id) for r in requests]
-        ids = [r.request_id for r in requests]
+            histories = [
+                TokenHistory(r.prompt_token_ids, r.output_token_ids + row.drafts_before, r.eos_token_id)
+                for row in rows
+                for r in (row.request,)
+            ]
+        ids = [row.request.request_id for row in rows]
         constrain = None
         if self.structured is not None and self.structured.matchers:
             structured = self.structured
+            prefixes = [row.drafts_before for row in rows]
 
-            def constrain(rows: torch.Tensor) -> torch.Tensor:
-                return structured.apply_masks(rows, ids)
+            def constrain(logits: torch.Tensor) -> torch.Tensor:
+                return structured.apply_masks(logits, ids, prefixes)
 
-        result = self.sampler(logits, params, generators, histories, constrain)
+        result = self.sampler(logits, params, seeds, histories, constrain)
         output = ModelRunnerOutput({}, {})
-        for rid, token, lp in zip(ids, result.token_ids, result.logprobs):
-            if token is None:
-                output.exhausted.add(rid)
+        done: set[str] = set()  # sequences whose rows after this one are not reached
+        for row, rid, token, lp in zip(rows, ids, result.token_ids, result.logprobs):
+            if rid in done:
                 continue
-            output.sampled[rid] = token
+            if token is None:  # no token allowed: after accepted drafts, they stand and the step ends there
+                if not row.drafts_before:
+                    output.exhausted.add(rid)
+                done.add(rid)
+                continue
+            output.sampled.setdefault(rid, []).append(token)
             if lp is not None:
-                output.logprobs[rid] = lp
+                output.logprobs.setdefault(rid, []).append(lp)
+            if row.draft is None or token != row.draft:  # the last row, or a rejected draft
+                done.add(rid)
         if constrain is not None:
-            for rid, token in output.sampled.items():
+            for rid, tokens in output.sampled.items():
                 try:
-                    self.structured.accept(rid, token)
+                    for token in tokens:
+                        self.structured.accept(rid, token)
                 except Exception as error:  # this sequence's grammar alone
                     logger.warning("structured output failed: %s", error)
                     output.failed[rid] = f"structured output failed: {error}"
                     output.failed_by_grammar.add(rid)
             for rid in output.failed:
                 del output.sampled[rid]
+                output.logprobs.pop(rid, None)
         return output
 
     def run(self, chunks: Sequence[Chunk], block_copies: Sequence[tuple[int, int]]) -> torch.Tensor | None:
@@ -248,17 +332,8 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        generator = self.generators.get(request_id)
-        if generator is None:
-            generator = self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
-        return generator
-
     def release(self, request_id: str) -> None:
-        """Forget a finished sequence's generator (and, tensor parallel, the workers' copy of its table)."""
-        self.generators.pop(request_id, None)
+        """Forget a finished sequence's grammar matcher (and, tensor parallel, the workers' copy of its table)."""
         if self.structured is not None:
             self.structured.release(request_id)
         if self.encoder is not None:

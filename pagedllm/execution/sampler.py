@@ -3,12 +3,15 @@
 Random draws invert the cumulative distribution: one uniform number per row,
 found in the row's running sum of probabilities.  That costs one random number
 per row instead of one per vocabulary entry (the exponential race it replaced
-spent ~140 ms per step drawing 128 x 49,152 exponentials).  A request with a
-seed draws its number from its own generator, so its tokens do not depend on
-what else is in the batch.
+spent ~140 ms per step drawing 128 x 49,152 exponentials).
 
 On CUDA every tensor of a step stays on the GPU; the one wait is `tolist()` of
 the sampled ids (and the logprobs' values, for rows that ask).
+
+A request with a seed draws the number for its output token i from `token_seed(seed, i)`
+alone.  Its tokens then depend on nothing but its seed and its logits: not on the batch, and
+not on how many tokens a step gives it, so speculative decoding (core/speculation.py) draws
+exactly the tokens that decoding one at a time draws.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ import torch
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.execution.logits_processors import TokenHistory, process_logits
 from pagedllm.layers.cpu_kernels import CpuKernels
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of output token `index` of a request seeded with `seed`: splitmix64's finalizer over
+    the two, so neighbouring seeds and indices give unrelated streams; in [0, 2**63) as torch wants."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass
@@ -37,24 +51,25 @@ class Sampler:
         on 128 x 49,152 float32 logits, the same indices)."""
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self._seeded = torch.Generator(self.device)  # re-seeded for each seeded row's draw
         self.kernels = kernels
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         histories: list[TokenHistory] | None = None,
         constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> SamplerOutput:
-        """logits [batch, vocab] float32; one params and optional generator per row, and each row's
+        """logits [batch, vocab] float32; one params and optional seed (`token_seed`'s) per row, and each row's
         token history where any row has penalties, bias or min_tokens (logits_processors.py).
         `constrain` masks the rows' forbidden tokens (structured outputs) after those.
         Log-probabilities are the raw model's, before all of that and before temperature."""
         processed = process_logits(logits, params, histories) if histories is not None else logits
         if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
             processed = constrain(processed.clone() if processed is logits else processed)
-        tokens = self._pick(processed, params, generators)
+        tokens = self._pick(processed, params, seeds)
         # A row whose pick is no allowed token (its logit -inf or NaN, or an id past the vocabulary:
         # every token masked, or NaN logits) comes back as -1 and is looked at again alone; the
         # usual step pays one gather, and still one wait for the ids.
@@ -64,19 +79,17 @@ class Sampler:
         token_list: list[int | None] = torch.where(bad, -1, tokens).tolist()
         for row, token in enumerate(token_list):
             if token == -1:
-                token_list[row] = self._pick_alone(processed[row], params[row], generators[row])
+                token_list[row] = self._pick_alone(processed[row], params[row], seeds[row])
         return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
 
-    def _pick(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
         tokens = self._argmax(logits)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+            tokens = torch.where(greedy, tokens, self._sample(logits, params, seeds))
         return tokens
 
-    def _pick_alone(self, row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int | None:
+    def _pick_alone(self, row: torch.Tensor, params: SamplingParams, seed: int | None) -> int | None:
         """A row the batched pick could not serve: NaN counts as forbidden (-inf), a +inf logit is
         certain; None when no token is left (the engine then ends the sequence, see SamplingParams)."""
         row = torch.nan_to_num(row.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
@@ -87,7 +100,7 @@ class Sampler:
         if not bool(allowed.any()):
             return None
         row = row - row[allowed].max()  # <= 0 everywhere: no overflow once divided by a temperature
-        token = int(self._pick(row[None], [params], [generator])[0])
+        token = int(self._pick(row[None], [params], [seed])[0])
         return token if token < row.shape[0] and bool(allowed[token]) else None
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -95,9 +108,7 @@ class Sampler:
             return self.kernels.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
@@ -120,9 +131,10 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         uniform = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64, device=device)
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
+        for row, seed in enumerate(seeds):
+            if seed is not None:
+                self._seeded.manual_seed(seed)
+                uniform[row] = torch.rand(1, generator=self._seeded, dtype=torch.float64, device=device)[0]
         cdf = probs.cumsum(dim=-1)
         # x in (0, total]: the first token whose running sum reaches x has a nonzero probability
         # (a zero-probability token repeats the sum of the token before it), and one always exists.

@@ -185,24 +185,46 @@ class StructuredOutputs:
     def release(self, sequence_id: str) -> None:
         self.matchers.pop(sequence_id, None)
 
-    def apply_masks(self, logits: torch.Tensor, sequence_ids: list[str]) -> torch.Tensor:
-        """logits with every constrained row's forbidden tokens at -inf (in place)."""
+    def apply_masks(
+        self, logits: torch.Tensor, sequence_ids: list[str], prefixes: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """logits with every constrained row's forbidden tokens at -inf (in place).  `prefixes`: per
+        row, draft tokens the row follows (speculative decoding; a sequence's rows come in order of
+        growing prefix): its mask is the grammar's after them.  The matchers end as they began."""
         rows = [i for i, sid in enumerate(sequence_ids) if sid in self.matchers]
         if not rows:
             return logits
         llt = _llguidance().torch
         bitmask = self._bitmask(len(rows))
-        for j, row in enumerate(rows):
-            matcher = self.matchers[sequence_ids[row]]
-            if matcher.is_error():  # raised here, the batch is sampled row by row and this row fails alone
-                raise StructuredOutputError(sequence_ids[row], matcher.get_error())
-            llt.fill_next_token_bitmask(matcher, bitmask, j)
+        consumed: dict[str, int] = {}  # draft tokens each matcher took for this call, taken back below
+        try:
+            for j, row in enumerate(rows):
+                sid = sequence_ids[row]
+                matcher = self.matchers[sid]
+                prefix = prefixes[row] if prefixes is not None else ()
+                done = consumed.get(sid, 0)
+                if len(prefix) > done:
+                    # The scheduler keeps only drafts the grammar allows (`valid_prefix`).
+                    if not matcher.consume_tokens(list(prefix[done:])):
+                        raise StructuredOutputError(sid, f"draft tokens the grammar refuses: {matcher.get_error()}")
+                    consumed[sid] = len(prefix)
+                if matcher.is_error():  # raised here, the batch is sampled row by row and this row fails alone
+                    raise StructuredOutputError(sid, matcher.get_error())
+                llt.fill_next_token_bitmask(matcher, bitmask, j)
+        finally:
+            for sid, count in consumed.items():
+                self.matchers[sid].rollback(count)
         if self.kernels is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
             self.kernels.mask_rows(logits, bitmask, rows)
             return logits
         index = torch.tensor(rows, device=logits.device)
         logits.index_copy_(0, index, apply_bitmask(logits.index_select(0, index), bitmask.to(logits.device)))
         return logits
+
+    def valid_prefix(self, sequence_id: str, token_ids: list[int]) -> int:
+        """How many leading `token_ids` the sequence's grammar allows now (all where unconstrained)."""
+        matcher = self.matchers.get(sequence_id)
+        return len(token_ids) if matcher is None else matcher.validate_tokens(token_ids)
 
     def accept(self, sequence_id: str, token_id: int) -> None:
         """Advance a sequence's matcher; a matcher that fails (a grammar it gives up on mid-way, too

@@ -1,0 +1,210 @@
+"""Draft tokens without a second model: guesses at what a request generates next, taken from its
+own tokens (and, for the suffix drafter, from recent requests' outputs).
+
+Pure Python.  A drafter keeps an index per request, extended with the tokens appended since
+it last looked, so a proposal costs a few dictionary lookups, not a scan of the prompt.
+
+- `NgramDrafter` (prompt lookup): the last n tokens (n from `max_n` down to `min_n`) are
+  looked up among the request's earlier tokens, prompt and output; the tokens that followed
+  their latest earlier occurrence are the draft.
+- `SuffixDrafter`: a depth-limited suffix tree of the request's tokens, counting how often
+  each continuation followed each context.  The longest context of the current suffix seen
+  before is matched, and the draft follows the most frequent continuation, token by token,
+  while its frequency (continuations / occurrences) stays above `min_confidence`.  With
+  `cross_request`, a second tree holds the outputs of the last `max_cached_requests`
+  finished requests, consulted where the request's own tree has no match.
+
+Every draft token carries a confidence in (0, 1]: the drafter's own estimate that it is right
+given the ones before it (1 for prompt lookup, the frequency for the suffix tree).  The
+speculation policy (core/speculation.py) multiplies it with the request's measured
+acceptance to decide how many draft tokens are worth verifying.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Draft:
+    token_ids: list[int]
+    confidence: list[float]  # per draft token, in (0, 1]
+
+    @staticmethod
+    def empty() -> Draft:
+        return Draft([], [])
+
+
+class Drafter(Protocol):
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> Draft: ...
+
+    def finish(self, request_id: str, output_token_ids: list[int]) -> None:
+        """The request ended (or was preempted): drop its index; its output may serve others."""
+
+
+class NgramDrafter:
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        # Per request: for each n-gram (a tuple), the position just past its latest occurrence,
+        # over the tokens indexed so far, and how many tokens that is.
+        self._index: dict[str, tuple[dict[tuple[int, ...], int], list[int]]] = {}
+
+    def _indexed(self, request_id: str, token_ids: list[int]) -> dict[tuple[int, ...], int]:
+        entry = self._index.get(request_id)
+        if entry is None:
+            entry = self._index[request_id] = ({}, [0])
+        table, done = entry
+        # An n-gram ending at position end - 1 is indexed once the token after it exists, so the
+        # current suffix never finds itself.
+        for end in range(max(done[0], self.min_n), len(token_ids)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                table[tuple(token_ids[end - n : end])] = end
+        done[0] = max(done[0], len(token_ids))
+        return table
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0 or len(token_ids) < self.min_n:
+            return Draft.empty()
+        table = self._indexed(request_id, token_ids)
+        for n in range(min(self.max_n, len(token_ids)), self.min_n - 1, -1):
+            follow = table.get(tuple(token_ids[-n:]))
+            if follow is not None:
+                draft = token_ids[follow : follow + max_tokens]
+                return Draft(draft, [1.0] * len(draft))
+        return Draft.empty()
+
+    def finish(self, request_id: str, output_token_ids: list[int]) -> None:
+        self._index.pop(request_id, None)
+
+
+class _Node:
+    """A context: how often it occurred, and the tokens that followed it (None until one did; most
+    nodes are leaves, and a dict each would cost more than the node)."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] | None = None
+
+
+class SuffixTree:
+    """Every context of up to `depth` tokens of the sequences added, with how often each occurred;
+    a node's children are the tokens that followed it."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, token_ids: list[int], active: list[_Node] | None = None, sign: int = 1) -> list[_Node]:
+        """Count the contexts ending at each of `token_ids` (`sign` -1 takes them back); `active`:
+        the nodes of the contexts ending just before them (from the last call), shortest first.
+        Returns the nodes of the contexts ending at the last token."""
+        active = list(active or [])
+        for token in token_ids:
+            extended = []
+            for node in [self.root, *active][: self.depth]:  # contexts one token longer, up to `depth`
+                if node.children is None:
+                    node.children = {}
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Node()
+                child.count += sign
+                if child.count <= 0:
+                    del node.children[token]
+                extended.append(child)
+            active = extended
+        return active
+
+    def match(self, token_ids: list[int], min_length: int) -> _Node | None:
+        """The node of the longest suffix of `token_ids` (at least `min_length` long) seen before
+        with something after it."""
+        for length in range(min(self.depth, len(token_ids)), min_length - 1, -1):
+            node = self.root
+            for token in token_ids[len(token_ids) - length :]:
+                node = node.children.get(token) if node.children else None
+                if node is None:
+                    break
+            else:
+                if node.children:
+                    return node
+        return None
+
+
+def _follow(node: _Node, max_tokens: int, min_confidence: float) -> Draft:
+    """The most frequent path below `node`, while each step's frequency holds up."""
+    tokens, confidence = [], []
+    while len(tokens) < max_tokens and node.children:
+        token, child = max(node.children.items(), key=lambda item: item[1].count)
+        share = child.count / max(node.count, child.count)
+        if share < min_confidence:
+            break
+        tokens.append(token)
+        confidence.append(share)
+        node = child
+    return Draft(tokens, confidence)
+
+
+class SuffixDrafter:
+    def __init__(
+        self,
+        depth: int = 16,
+        min_match: int = 2,
+        min_confidence: float = 0.1,
+        cross_request: bool = False,
+        max_cached_requests: int = 256,
+    ) -> None:
+        if depth < 1 or not 1 <= min_match <= depth:
+            raise ValueError(f"suffix drafter needs 1 <= min_match <= depth, got {min_match} and {depth}")
+        self.depth, self.min_match, self.min_confidence = depth, min_match, min_confidence
+        # Per request: its tree, the active nodes after its last indexed token, how many are indexed.
+        self._trees: dict[str, tuple[SuffixTree, list[list[_Node]], list[int]]] = {}
+        self.cross_request = cross_request
+        self.max_cached_requests = max_cached_requests
+        self.shared = SuffixTree(depth)
+        self._shared_outputs: OrderedDict[str, list[int]] = OrderedDict()
+
+    def _tree(self, request_id: str, token_ids: list[int]) -> SuffixTree:
+        entry = self._trees.get(request_id)
+        if entry is None:
+            entry = self._trees[request_id] = (SuffixTree(self.depth), [[]], [0])
+        tree, active, done = entry
+        # The last token's contexts are counted once the token after it is known: a context's
+        # children are then only what followed its earlier occurrences.
+        if len(token_ids) - 1 > done[0]:
+            active[0] = tree.add(token_ids[done[0] : len(token_ids) - 1], active[0])
+            done[0] = len(token_ids) - 1
+        return tree
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0 or len(token_ids) < self.min_match:
+            return Draft.empty()
+        tree = self._tree(request_id, token_ids)
+        node = tree.match(token_ids, self.min_match)
+        if node is None and self.cross_request and self._shared_outputs:
+            node = self.shared.match(token_ids, self.min_match)
+        if node is None:
+            return Draft.empty()
+        return _follow(node, max_tokens, self.min_confidence)
+
+    def finish(self, request_id: str, output_token_ids: list[int]) -> None:
+        self._trees.pop(request_id, None)
+        if not self.cross_request or not output_token_ids or request_id in self._shared_outputs:
+            return
+        self._shared_outputs[request_id] = list(output_token_ids)
+        self.shared.add(output_token_ids)
+        while len(self._shared_outputs) > self.max_cached_requests:
+            _, oldest = self._shared_outputs.popitem(last=False)
+            self.shared.add(oldest, sign=-1)
+
+
+def make_drafter(method: str) -> Drafter:
+    if method == "ngram":
+        return NgramDrafter()
+    if method == "suffix":
+        return SuffixDrafter(cross_request=True)
+    raise ValueError(f"speculative method must be ngram, suffix or off, got {method!r}")
