@@ -285,13 +285,14 @@ class Scheduler:
         finished = []
         for chunk in output.scheduled:
             request = chunk.request
+            computed = request.token_ids
             if chunk.draft_token_ids:
-                self._apply_verification(chunk, sampled.get(request.request_id))
+                computed = self._apply_verification(chunk, sampled.get(request.request_id))
             else:
                 request.num_computed_tokens += chunk.num_new_tokens
             # Before a possible finish frees them, so a finished prompt stays findable.
             self.kv_cache.cache_full_blocks(
-                request.request_id, request.token_ids, request.num_computed_tokens, self._salt(request)
+                request.request_id, computed, request.num_computed_tokens, self._salt(request)
             )
             for child in chunk.forks:
                 request.forks.remove(child)
@@ -305,9 +306,10 @@ class Scheduler:
                         break
         return finished
 
-    def _apply_verification(self, chunk: ScheduledRequest, tokens: list[int] | None) -> None:
+    def _apply_verification(self, chunk: ScheduledRequest, tokens: list[int] | None) -> list[int]:
         """The pending token and the accepted drafts are computed; the slots of the rejected ones
-        are not, and the blocks wholly past the computed tokens and the new one go back."""
+        are not, and the blocks wholly past the computed tokens and the new one go back.  Returns
+        the request's computed tokens (its tokens and the accepted drafts, appended after this)."""
         request, draft = chunk.request, chunk.draft_token_ids
         accepted = len(tokens) - 1 if tokens else 0
         if tokens and (accepted > len(draft) or tokens[:accepted] != draft[:accepted]):
@@ -319,6 +321,7 @@ class Scheduler:
         self.kv_cache.truncate(request.request_id, request.num_computed_tokens + 1)
         if tokens:
             self.speculation.record(request.request_id, len(draft), accepted)
+        return request.token_ids + draft[:accepted]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts running on the parent's blocks: its first `parent.num_computed_tokens`

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.drafting import Draft, Drafter, make_drafter
 from pagedllm.core.request import Request
 
-DECAY = 0.9  # weight of an older verification against the latest one
+DECAY = 0.9  # per draft token verified since: the weight of an older outcome against the latest
 PRIOR = (1.0, 1.0)  # pseudo-counts of accepted and rejected drafts: a new request's acceptance is 0.5
 IDLE_DECAY = 0.97  # per step a request has a draft but is given none: its record drifts back to the prior
 
@@ -137,9 +137,9 @@ class Speculation:
         self.stats.draft_tokens += num_draft
         self.stats.accepted_tokens += num_accepted
         self.stats.verifications += 1
-        record = self._record(request_id)
-        record.accepted = record.accepted * DECAY + num_accepted
-        record.rejected = record.rejected * DECAY + (1 if num_accepted < num_draft else 0)
+        record, decay = self._record(request_id), DECAY**num_draft
+        record.accepted = record.accepted * decay + num_accepted
+        record.rejected = record.rejected * decay + (1 if num_accepted < num_draft else 0)
 
     def finish(self, request: Request) -> None:
         self._records.pop(request.request_id, None)

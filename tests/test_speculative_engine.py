@@ -1,0 +1,141 @@
+"""Speculative decoding on the real SmolLM2 (float32): the same tokens as decoding one at a time,
+with every feature that reads tokens (stops, logprobs, grammars, seeds, aborts)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.core.sampling_params import StructuredOutput
+
+TEXT = (Path(__file__).parent.parent / "docs" / "paging.md").read_text()[:4000]
+
+# Input-grounded prompts (drafts from the prompt pay) and open ones (they rarely do).
+CHATS = [
+    [{"role": "user", "content": "Repeat the following text exactly:\n\n" + TEXT[:900]}],
+    [{"role": "user", "content": "Summarize this text in three sentences:\n\n" + TEXT[900:2000]}],
+    [{"role": "user", "content": "List every command in this text:\n\n" + TEXT[2000:3200]}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+]
+
+
+@pytest.fixture(params=["ngram", "suffix"])
+def method(request):
+    return request.param
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_greedy_tokens_equal_decoding_one_at_a_time(make_llm, method):
+    plain, spec = make_llm(), make_llm(speculative=method)
+    params = SamplingParams(temperature=0, max_tokens=80)
+    expected = tokens(plain.chat(CHATS, params))
+    assert tokens(spec.chat(CHATS, params)) == expected  # batched
+    assert tokens(spec.chat(CHATS[:1], params)) == expected[:1]  # alone
+    stats = spec.engine.speculation.stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    assert stats.mean_accepted_length > 1.5  # the repeat and list prompts copy their input
+
+
+def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, method):
+    plain, spec = make_llm(), make_llm(speculative=method)
+    reference = plain.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
+    middle = len(reference.text) // 2
+    stop_word = reference.text[middle : middle + 5]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=7),  # drafts never reach past max_tokens
+        SamplingParams(temperature=0, max_tokens=60, stop=[stop_word]),
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[reference.token_ids[30]]),
+        SamplingParams(temperature=0, max_tokens=40, logprobs=3),
+    ]
+    for params in cases:
+        want = plain.chat(CHATS[0], params)[0].outputs[0]
+        got = spec.chat(CHATS[0], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        if params.logprobs:
+            assert len(got.logprobs) == len(got.token_ids)
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert spec.engine.speculation.stats.accepted_tokens > 0
+
+
+def test_a_grammar_checks_the_drafts(make_llm):
+    plain, spec = make_llm(), make_llm(speculative="ngram")
+    line = "the cat sat on the mat. "
+    chat = [{"role": "user", "content": f"Write '{line}' ten times."}]
+    params = SamplingParams(temperature=0, max_tokens=50, structured_output=StructuredOutput(regex=f"({line}){{4}}"))
+    before = spec.engine.speculation.stats.accepted_tokens
+    want, got = plain.chat(chat, params)[0].outputs[0], spec.chat(chat, params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert got.text == line * 4
+    assert spec.engine.speculation.stats.accepted_tokens > before
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(make_llm):
+    plain, spec = make_llm(), make_llm(speculative="ngram")
+    params = [SamplingParams(temperature=0.8, max_tokens=48, seed=s) for s in range(4)]
+    chats = [CHATS[0]] * 4
+    want = tokens(plain.chat(chats, params))
+    assert tokens(spec.chat(chats, params)) == want
+    assert tokens(spec.chat(chats, params)) == want  # run to run
+    assert len({tuple(t) for t in want}) > 1  # the seeds differ, so do the samples
+
+
+def two_sample_chi2_p(a: Counter, b: Counter) -> float:
+    """p-value of a chi-square test that two samples come from one distribution (rare categories
+    pooled), via the Wilson-Hilferty approximation of the chi-square tail."""
+    na, nb = sum(a.values()), sum(b.values())
+    common = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
+    cells = [(a[k], b[k]) for k in common]
+    rest = (na - sum(x for x, _ in cells), nb - sum(y for _, y in cells))
+    if sum(rest) >= 10:
+        cells.append(rest)
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        ex, ey = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    dof = max(len(cells) - 1, 1)
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_keeps_the_models_distribution(make_llm):
+    """Unseeded draws at temperature 0.8: the 2nd-4th tokens (drafted and verified with
+    speculation) are distributed as without it.  Rows are priced near zero, so that every
+    request of the batch gets drafts."""
+    plain, spec = make_llm(), make_llm(speculative="ngram", speculative_row_cost=0.001)
+    chat = [{"role": "user", "content": "Repeat exactly: one two three four five six seven eight nine ten"}]
+    params = SamplingParams(temperature=0.8, max_tokens=4)
+    before = spec.engine.speculation.stats.draft_tokens
+    samples = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        outputs = tokens(llm.chat([chat] * 300, params))
+        samples[name] = Counter(tuple(t[1:4]) for t in outputs)
+    assert spec.engine.speculation.stats.draft_tokens - before > 100
+    assert two_sample_chi2_p(samples["plain"], samples["spec"]) > 1e-3
+    assert len(samples["plain"]) > 3  # the continuation is random, not one sure path
+
+
+def test_abort_mid_draft_frees_every_block(make_llm):
+    spec = make_llm(speculative="ngram")
+    engine = spec.engine
+    before = engine.speculation.stats.draft_tokens
+    params = SamplingParams(temperature=0, max_tokens=200)
+    engine.add_request(engine.tokenizer.apply_chat_template(CHATS[0]), params, "r")
+    try:
+        while engine.speculation.stats.draft_tokens == before:
+            engine.step()
+            assert engine.has_unfinished_requests()
+        engine.step()  # verifies drafts, rolls back
+    finally:
+        engine.abort_request("r")
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
