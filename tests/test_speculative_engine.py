@@ -139,3 +139,31 @@ def test_abort_mid_draft_frees_every_block(make_llm):
     finally:
         engine.abort_request("r")
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_served_streams_equal_offline_and_metrics_show_drafts(make_llm):
+    import httpx
+    import openai
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine import LLMEngine
+    from pagedllm.testing.servers import MODEL, serve_in_process
+
+    want = make_llm().chat(CHATS[0], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text
+    config = EngineConfig(dtype="float32", weights="dequantized", kv_cache_memory="64MiB", speculative="ngram")
+    with serve_in_process(LLMEngine(config)) as (server, _):
+        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=CHATS[0], max_tokens=64, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
+        cancelled = client.chat.completions.create(model=MODEL, messages=CHATS[2], max_tokens=300, stream=True)
+        for _ in range(4):
+            next(iter(cancelled))
+        cancelled.close()  # the client leaves mid-stream: the request ends, its blocks go back
+        stats = server.wait_until(lambda s: s["running"] == 0 and s["kv"]["used_blocks"] == 0)
+        assert stats["speculation"]["method"] == "ngram" and stats["speculation"]["accepted_tokens"] > 0
+        metrics = httpx.get(server.url + "/metrics").text
+        for name in ("pagedllm_spec_draft_tokens_total", "pagedllm_spec_acceptance_rate"):
+            assert name in metrics
+        assert "pagedllm_spec_mean_accepted_length" in metrics

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.speculation import SpeculationStats
 from pagedllm.engine import LLMEngine
 
 
@@ -55,6 +56,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
     engine.memory.reset(engine.scheduler)
     message_bytes_before = engine.runner.step_message_bytes
     freed_before = getattr(engine.kv_cache, "num_blocks_freed_by_window", 0)
+    spec_before = dataclasses.replace(engine.speculation.stats) if engine.speculation is not None else None
     output_tokens = 0
     ttfts = []
     with tqdm(total=len(requests), desc=desc, unit="req") as bar:
@@ -97,8 +99,18 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "weights": engine.weights,
         "weights_summary": engine.weights_summary,
         **prefix_cache_stats(engine, prefix_before, evictions_before),
+        "speculation": speculation_stats(engine, spec_before),
         **engine.memory.summary(engine.scheduler),
     }
+
+
+def speculation_stats(engine: LLMEngine, before: SpeculationStats | None) -> dict | None:
+    """Speculative decoding in this run: drafts verified and accepted; None when it is off."""
+    if engine.speculation is None or before is None:
+        return None
+    now = engine.speculation.stats
+    delta = SpeculationStats(*(getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(now)))
+    return {"method": engine.config.speculative, "row_cost": engine.speculation.row_cost, **delta.as_dict()}
 
 
 def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_before: int | None) -> dict:

@@ -35,6 +35,12 @@ def engine_state(engine: LLMEngine) -> dict:
         "kv_blocks_freed_by_window": getattr(kv, "num_blocks_freed_by_window", 0),
         "layer_groups": engine.layer_groups.describe(),
         "cow_copies": scheduler.num_cow_copies,
+        # Speculative decoding's counters (core/speculation.py); None when it is off.
+        "speculation": (
+            {"method": engine.config.speculative, **engine.speculation.stats.as_dict()}
+            if engine.speculation is not None
+            else None
+        ),
         # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
         "weights": engine.weights,
         "weights_summary": engine.weights_summary,

@@ -59,8 +59,26 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "pagedllm_spec_draft_tokens", "Speculative decoding: draft tokens verified", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "pagedllm_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", registry=r
+        )
+        self.acceptance_rate = Gauge(
+            "pagedllm_spec_acceptance_rate", "Speculative decoding: accepted / verified draft tokens", registry=r
+        )
+        self.mean_accepted_length = Gauge(
+            "pagedllm_spec_mean_accepted_length",
+            "Speculative decoding: tokens a request emits per step in which it verifies drafts",
+            registry=r,
+        )
+        self.draft_tokens_per_step = Gauge(
+            "pagedllm_spec_draft_tokens_per_step", "Speculative decoding: draft tokens per decoding step", registry=r
+        )
         self._progress: dict[str, _Progress] = {}
         self._preemptions_seen = 0
+        self._drafts_seen = (0, 0)  # draft tokens, accepted tokens
         # (time, tokens generated in that step) for the last minute: the dashboard's throughput.
         self.recent_steps: deque[tuple[float, int]] = deque()
 
@@ -104,6 +122,14 @@ class ServerMetrics:
         self.prefix_hit_rate.set(state["prefix_cache_hit_rate"])
         self.preemptions.inc(state["preemptions"] - self._preemptions_seen)
         self._preemptions_seen = state["preemptions"]
+        spec = state["speculation"]
+        if spec is not None:
+            self.draft_tokens.inc(spec["draft_tokens"] - self._drafts_seen[0])
+            self.accepted_tokens.inc(spec["accepted_tokens"] - self._drafts_seen[1])
+            self._drafts_seen = (spec["draft_tokens"], spec["accepted_tokens"])
+            self.acceptance_rate.set(spec["acceptance_rate"])
+            self.mean_accepted_length.set(spec["mean_accepted_length"])
+            self.draft_tokens_per_step.set(spec["draft_tokens_per_step"])
 
     def throughput(self, now: float | None = None, bucket_s: float = 1.0) -> list[int]:
         """Tokens generated in each of the last 60 one-second buckets, oldest first."""
