@@ -13,9 +13,10 @@ Workloads:
 
 For each workload, batch size (`--batch`: 1 runs `--single-requests` requests one after
 another, alone; B > 1 submits B requests at once and checks that all B ran together) and
-temperature (greedy, and 0.8 with a seed per request, so both engines draw the same tokens:
-seeded draws depend on the token's index only), every engine (off, then each `--methods`)
-runs the same requests; engines alternate within each repeat, in a rotating order.  Reported
+temperature (greedy, and 0.8 with a seed per request, so every setting draws the same tokens:
+seeded draws depend on the token's index only), every setting (off, then each `--methods`)
+runs the same requests on one engine, whose drafter is swapped; settings alternate within each
+repeat, in a rotating order.  Reported
 per case: output tokens/s over the wall time, decode tokens/s (a request's tokens after its
 first over the time since its first, summed over requests), each as median (min-max) over
 the repeats; the ratio on/off taken within each repeat, median (min-max); acceptance rate,
@@ -36,6 +37,7 @@ from pagedllm.benchmarking.datasets import load_workload
 from pagedllm.benchmarking.throughput import speculation_stats
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.speculation import Speculation
 from pagedllm.engine import LLMEngine
 from pagedllm.layers.cpu_kernels import cpu_summary
 
@@ -149,32 +151,47 @@ def main() -> None:
     parser.add_argument("--dataset", default=None, help="JSONL of grounded requests (see above)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"], choices=["ngram", "suffix"])
     parser.add_argument("--single-requests", type=int, default=3, help="requests run one by one for batch 1")
     parser.add_argument("--max-tokens", type=int, default=192, help="grounded: the most tokens per reply")
     parser.add_argument("--random-max-tokens", type=int, default=128, help="random and sharegpt-like: output cap")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
 
-    engines = {"off": LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory))}
-    for method in args.methods:
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, speculative=method
-        )
-        engines[method] = LLMEngine(config)
-    names = list(engines)
-    tokenizer = engines["off"].tokenizer
+    # One engine for every setting, its drafter swapped per run (a fresh one each time, so the suffix
+    # drafter's memory of earlier outputs never includes an earlier repeat's), so that every setting
+    # runs on the same weights and KV cache memory.
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative=args.methods[0],
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    engine = LLMEngine(config)
+    cost = engine.speculation.cost
+    names = ["off", *args.methods]
+
+    def use(name: str) -> LLMEngine:
+        spec = None if name == "off" else Speculation.build(name, args.num_speculative_tokens, cost)
+        engine.speculation = engine.scheduler.speculation = spec
+        engine.config.speculative = name
+        engine.reset_prefix_cache()  # every run computes its prompts, as the first one did
+        return engine
+
+    tokenizer = engine.tokenizer
     result = {
         "cpu": cpu_summary(),
-        "dtype": str(engines["off"].dtype).removeprefix("torch."),
-        "row_cost": {m: engines[m].speculation.row_cost for m in args.methods},
-        "num_speculative_tokens": engines[names[-1]].config.num_speculative_tokens if args.methods else None,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "step_cost": dataclasses.asdict(cost),
+        "num_speculative_tokens": args.num_speculative_tokens,
         "repeats": args.repeats,
         "cases": [],
     }
-    print(f"# {result['cpu']}, {result['dtype']}, row cost {result['row_cost']}", flush=True)
+    print(f"# {result['cpu']}, {result['dtype']}, step cost {result['step_cost']}", flush=True)
     for workload in args.workloads:
         most = max(max(args.batch), args.single_requests)
         if workload == "grounded":
@@ -190,7 +207,7 @@ def main() -> None:
                 for repeat in range(args.repeats):
                     for k in range(len(names)):
                         name = names[(repeat + k) % len(names)]
-                        r = run(engines[name], requests, temperature, ignore_eos, together=batch > 1)
+                        r = run(use(name), requests, temperature, ignore_eos, together=batch > 1)
                         if batch > 1 and r["peak_running"] != batch:
                             raise SystemExit(f"{name}: {r['peak_running']} requests ran together, not {batch}")
                         runs[name].append(r)

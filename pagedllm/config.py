@@ -162,12 +162,12 @@ class EngineConfig:
         choices=("off", "ngram", "suffix"),
     )
     num_speculative_tokens: int = setting(
-        6, "most draft tokens per request and step (the policy gives fewer where they do not pay)", kind="int"
+        10, "most draft tokens per request and step (the policy gives fewer where they do not pay)", kind="int"
     )
     speculative_row_cost: float | None = setting(
         None,
         "a decode step's cost per row over its cost with no rows, which decides how many drafts pay "
-        "(default: measured at start)",
+        "(default: measured at start, with the cost of a row's context)",
         kind="float",
     )
     distributed_init_method: str | None = setting(

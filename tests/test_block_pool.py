@@ -107,3 +107,16 @@ def assert_counts_equal_holders(kv: KVCacheManager) -> list[int]:
         assert kv.pool.is_free(block) == (block not in held)
     assert kv.num_free_blocks == kv.num_blocks - len(set(held)), "a block leaked"
     return held
+
+
+def test_reset_prefix_cache_forgets_contents_only_when_nothing_is_held():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("a", 5)
+    kv.cache_full_blocks("a", [1, 2, 3, 4, 5], 5)
+    with pytest.raises(ValueError, match="no block is held"):
+        kv.pool.reset_prefix_cache()
+    kv.free("a")
+    assert kv.find_cached_prefix([1, 2, 3, 4, 5])
+    kv.pool.reset_prefix_cache()
+    assert kv.find_cached_prefix([1, 2, 3, 4, 5]) == [] and kv.pool.num_cached_blocks == 0
+    assert kv.num_free_blocks == 4

@@ -15,7 +15,7 @@ from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, block_key
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.speculation import Speculation
+from pagedllm.core.speculation import Speculation, StepCost
 from tests.test_fork import sample_group
 
 # --- drafters ---------------------------------------------------------------------------------
@@ -98,24 +98,25 @@ def decoding(request_id: str, max_tokens: int = 50) -> Request:
 
 
 def test_a_good_record_earns_long_drafts_and_a_bad_one_none():
-    spec = Speculation(Scripted({"a": [7] * 8}), max_draft_tokens=8, row_cost=0.1)
-    assert len(spec.plan([decoding("a")], 0, 100)["a"]) == 2  # the prior: half the drafts hold
+    spec = Speculation(Scripted({"a": [7] * 8}), max_draft_tokens=8, cost=StepCost(0.1))
+    assert len(spec.plan([decoding("a")], 0, 100)["a"]) == 4  # the prior: 3 in 4 draft tokens hold
     for _ in range(5):
         spec.record("a", 8, 8)
     assert len(spec.plan([decoding("a")], 0, 100)["a"]) == 8
     for _ in range(10):
         spec.record("a", 4, 0)
     assert len(spec.plan([decoding("a")], 0, 100)["a"]) == 1
-    spec.row_cost = 0.5  # where a row costs half a step, a bad record gets no drafts
+    spec.cost = StepCost(1.0)  # where a row costs as much as a step's base, a bad record gets no drafts
     assert spec.plan([decoding("a")], 0, 100) == {}
-    for _ in range(60):  # no drafts verified: the record drifts back towards the prior
+    for _ in range(60):  # no drafts verified: the record drifts back towards the pooled one
         spec.plan([decoding("a")], 0, 100)
     assert spec.plan([decoding("a")], 0, 100)
+    assert spec.acceptance("new") > 0.7  # the pool remembers that most drafts held
 
 
 def test_drafts_stop_where_rows_cost_more_than_they_bring():
     ids = [f"r{i}" for i in range(64)]
-    spec = Speculation(Scripted({i: [7] * 4 for i in ids}), max_draft_tokens=4, row_cost=0.1)
+    spec = Speculation(Scripted({i: [7] * 4 for i in ids}), max_draft_tokens=4, cost=StepCost(0.1))
     for i in ids:
         spec.record(i, 4, 3)
     alone = spec.plan([decoding(ids[0])], 0, 1000)
@@ -197,7 +198,7 @@ def check_cache(kv: KVCacheManager, scheduler: Scheduler) -> None:
 def test_random_acceptance_keeps_counts_keys_and_tokens_exact(seed, block_size, windows, num_blocks, max_draft, budget):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, group_windows=windows)
-    spec = Speculation(RandomDrafter(seed), max_draft_tokens=max_draft, row_cost=1e-3)
+    spec = Speculation(RandomDrafter(seed), max_draft_tokens=max_draft, cost=StepCost(1e-3))
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=6, speculation=spec)
     requests = []
     shared_prompt = [rng.randrange(VOCAB) for _ in range(6)]

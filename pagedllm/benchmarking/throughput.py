@@ -110,7 +110,12 @@ def speculation_stats(engine: LLMEngine, before: SpeculationStats | None) -> dic
         return None
     now = engine.speculation.stats
     delta = SpeculationStats(*(getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(now)))
-    return {"method": engine.config.speculative, "row_cost": engine.speculation.row_cost, **delta.as_dict()}
+    return {
+        "method": engine.config.speculative,
+        "row_cost": engine.speculation.cost.row,
+        "context_token_cost": engine.speculation.cost.context_token,
+        **delta.as_dict(),
+    }
 
 
 def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_before: int | None) -> dict:

@@ -118,6 +118,16 @@ class BlockPool:
         if self.record_events:
             self._events.append((True, key))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached content (nothing may be held): later lookups all miss, as in a fresh pool."""
+        if self.num_used_blocks:
+            raise ValueError(f"the prefix cache can be reset only when no block is held ({self.num_used_blocks} are)")
+        for key, block in self.cached.items():
+            self.block_keys[block] = None
+            if self.record_events:
+                self._events.append((False, key))
+        self.cached.clear()
+
     def drain_events(self) -> list[tuple[bool, bytes]]:
         """The keys stored (True) and evicted (False) since the last call, oldest first."""
         events, self._events = self._events, []

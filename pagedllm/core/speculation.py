@@ -7,14 +7,21 @@ model's own token.  So a step emits between 1 and k + 1 tokens for it, and its o
 exactly what decoding one token at a time gives (core/scheduler.py applies the result,
 execution/model_runner.py verifies).
 
-Drafts cost compute: on a CPU a step costs about `base + per_row * rows`, and the `row_cost`
-ratio per_row / base is measured when the engine starts.  A draft token adds a row and is
-worth its chance of being accepted: the drafter's confidence times the request's measured
-acceptance (a decaying count of accepted and rejected drafts), raised along the draft.  Draft
-tokens are taken, the likeliest first, while each one raises the step's expected tokens per
-unit of time.  So one request with a good acceptance record gets long drafts, a large batch
-(whose step is compute-bound already) gets few or none, and a request whose drafts keep
-failing stops getting them until its record decays back to the prior.
+Drafts cost compute.  A step costs about `base + sum over rows of (per_row + context *
+per_context_token)` (`StepCost`, measured when the engine starts, execution/step_cost.py).
+A draft row of request i costs its row, `c_i`; the token it may bring is worth what a token
+costs without drafts: `c_i` plus its share of the base, `base / B` over the step's B rows.  A
+draft token is taken when its chance of being accepted (the drafter's confidence times the
+request's measured acceptance, multiplied along the draft) exceeds `c_i / (c_i + base / B)`.
+Draft tokens are considered likeliest first, each one taken adding a row to B.  So one
+request with a good acceptance record gets long drafts; a large batch, or a step full of
+prompt tokens, whose base is shared by many rows already, gets few or none; and a request
+whose drafts keep failing stops getting them until its record decays back to the pooled one.
+
+A request's acceptance is a decaying count of its accepted draft tokens and rejections,
+starting from the same count over all requests (itself starting at 0.75): in a workload
+whose drafts hold, a new request gets drafts from its first step; where they fail, it
+gets none until its own drafts show otherwise.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from pagedllm.core.drafting import Draft, Drafter, make_drafter
 from pagedllm.core.request import Request
 
 DECAY = 0.9  # per draft token verified since: the weight of an older outcome against the latest
-PRIOR = (1.0, 1.0)  # pseudo-counts of accepted and rejected drafts: a new request's acceptance is 0.5
-IDLE_DECAY = 0.97  # per step a request has a draft but is given none: its record drifts back to the prior
+POOL_DECAY = 0.995  # the same, for the record of all requests together
+POOL_PRIOR = (3.0, 1.0)  # pseudo-counts of accepted and rejected drafts before any was verified: 0.75
+PRIOR_WEIGHT = 2.0  # a request starts from the pooled rate, worth this many of its own outcomes
+IDLE_DECAY = 0.97  # per step a request is given no draft: its record drifts back to the pooled rate
 
 
 @dataclass
@@ -62,31 +71,61 @@ class SpeculationStats:
         }
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """A decode step's cost per row and per context token of a row, over its base cost (no rows)."""
+
+    row: float
+    context_token: float = 0.0
+
+    def of_row(self, context_tokens: int) -> float:
+        return self.row + self.context_token * context_tokens
+
+
 @dataclass
 class _Record:
+    """Decaying counts of accepted draft tokens and of rejections (at most one a verification): the
+    chance that a draft token is accepted after the ones before it were."""
+
     accepted: float = 0.0
     rejected: float = 0.0
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR[0]) / (self.accepted + self.rejected + PRIOR[0] + PRIOR[1])
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+    def add(self, num_draft: int, num_accepted: int, decay: float) -> None:
+        factor = decay**num_draft
+        self.accepted = self.accepted * factor + num_accepted
+        self.rejected = self.rejected * factor + (1 if num_accepted < num_draft else 0)
+
+    def decay(self, factor: float) -> None:
+        self.accepted *= factor
+        self.rejected *= factor
 
 
 @dataclass
 class Speculation:
     drafter: Drafter
     max_draft_tokens: int
-    row_cost: float  # a step's cost per row, over its cost with no rows (measured at engine start)
+    cost: StepCost  # measured at engine start
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     _records: dict[str, _Record] = field(default_factory=dict)
+    _pool: _Record = field(default_factory=_Record)  # every request's verifications together
+
+    def acceptance(self, request_id: str) -> float:
+        """The chance that a request's next draft token is accepted: its own record, starting from
+        the pooled record of all requests (so a workload whose drafts hold gets them from the start)."""
+        pooled = self._pool.rate(POOL_PRIOR[0] / sum(POOL_PRIOR), sum(POOL_PRIOR))
+        record = self._records.get(request_id)
+        return pooled if record is None else record.rate(pooled, PRIOR_WEIGHT)
 
     @staticmethod
-    def build(method: str, max_draft_tokens: int, row_cost: float) -> Speculation:
+    def build(method: str, max_draft_tokens: int, cost: StepCost) -> Speculation:
         if max_draft_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {max_draft_tokens}")
-        if row_cost <= 0:
-            raise ValueError(f"row_cost must be positive, got {row_cost}")
-        return Speculation(make_drafter(method), max_draft_tokens, row_cost)
+        if cost.row <= 0 or cost.context_token < 0:
+            raise ValueError(f"a step's row cost must be positive, got {cost}")
+        return Speculation(make_drafter(method), max_draft_tokens, cost)
 
     def plan(self, decoding: list[Request], other_rows: int, max_draft_tokens: int) -> dict[str, list[int]]:
         """Draft tokens per request id for this step's `decoding` requests (each computes its pending
@@ -96,32 +135,40 @@ class Speculation:
         self.stats.steps += 1
         candidates: list[tuple[float, int, str]] = []  # (chance of acceptance, index in its draft, request)
         drafts: dict[str, Draft] = {}
+        rows = len(decoding) + other_rows
         for request in decoding:
+            record = self._records.get(request.request_id)
+            rate = self.acceptance(request.request_id)
+            cost = self.cost.of_row(request.num_tokens)
+            if rate * (cost + 1.0 / rows) <= cost:  # not even its first draft token could pay: skip the drafter
+                if record is not None:
+                    record.decay(IDLE_DECAY)
+                continue
             limit = min(self.max_draft_tokens, request.max_total_tokens - request.num_tokens - 1)
             draft = self.drafter.propose(request.request_id, request.token_ids, limit) if limit > 0 else None
             if not draft or not draft.token_ids:
                 continue
             drafts[request.request_id] = draft
-            rate, chance = self._record(request.request_id).rate, 1.0
+            chance = 1.0
             for j, confidence in enumerate(draft.confidence):
                 chance *= rate * confidence
                 candidates.append((chance, j, request.request_id))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        expected = float(len(decoding))  # tokens the step emits: each decoding request's own, so far
-        cost = 1.0 + self.row_cost * (len(decoding) + other_rows)
+        row_cost = {r.request_id: self.cost.of_row(r.num_tokens) for r in decoding if r.request_id in drafts}
         taken: dict[str, int] = {}
-        for num_taken, (chance, j, request_id) in enumerate(candidates):
-            if num_taken >= max_draft_tokens:
+        for chance, j, request_id in candidates:
+            if rows - len(decoding) - other_rows >= max_draft_tokens:
                 break
-            if chance * cost <= expected * self.row_cost:  # one more row would lower tokens per unit time
-                break
-            taken[request_id] = j + 1  # sorted by chance, then index: its earlier tokens are taken
-            expected += chance
-            cost += self.row_cost
+            if taken.get(request_id, 0) != j:
+                continue  # an earlier token of its draft did not pay: neither does this one
+            cost = row_cost[request_id]
+            if chance * (cost + 1.0 / rows) <= cost:  # the row costs more than the token it may bring
+                continue
+            taken[request_id] = j + 1
+            rows += 1
         for request_id in drafts.keys() - taken.keys():
-            record = self._records[request_id]
-            record.accepted *= IDLE_DECAY
-            record.rejected *= IDLE_DECAY
+            if request_id in self._records:
+                self._records[request_id].decay(IDLE_DECAY)
         if taken:
             self.stats.steps_with_drafts += 1
         return {rid: drafts[rid].token_ids[:n] for rid, n in taken.items()}
@@ -137,9 +184,8 @@ class Speculation:
         self.stats.draft_tokens += num_draft
         self.stats.accepted_tokens += num_accepted
         self.stats.verifications += 1
-        record, decay = self._record(request_id), DECAY**num_draft
-        record.accepted = record.accepted * decay + num_accepted
-        record.rejected = record.rejected * decay + (1 if num_accepted < num_draft else 0)
+        self._record(request_id).add(num_draft, num_accepted, DECAY)
+        self._pool.add(num_draft, num_accepted, POOL_DECAY)
 
     def finish(self, request: Request) -> None:
         self._records.pop(request.request_id, None)

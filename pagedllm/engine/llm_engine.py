@@ -17,14 +17,14 @@ from pagedllm.core.request import Request
 from pagedllm.core.request_group import RequestGroup
 from pagedllm.core.sampling_params import SamplingParams, StructuredOutput
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.core.speculation import Speculation
+from pagedllm.core.speculation import Speculation, StepCost
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.engine.intake import RequestIntake
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import build_rank_model
-from pagedllm.execution.step_cost import measure_row_cost
+from pagedllm.execution.step_cost import measure_step_cost
 from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import AdaptiveThreads
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -194,14 +194,17 @@ class LLMEngine:
                 "speculative decoding with tensor parallelism needs speculative_row_cost "
                 "(--speculative-row-cost): measure it on one rank, where the engine logs it at start"
             )
-        row_cost = config.speculative_row_cost or measure_row_cost(self.runner)
+        given = config.speculative_row_cost
+        cost = StepCost(given) if given is not None else measure_step_cost(self.runner)
         logger.info(
-            "speculative decoding: %s drafts, at most %d per request and step (row cost %.3f)",
+            "speculative decoding: %s drafts, at most %d per request and step (a row costs %.3f of a step's "
+            "base, plus %.2e per context token)",
             config.speculative,
             config.num_speculative_tokens,
-            row_cost,
+            cost.row,
+            cost.context_token,
         )
-        return Speculation.build(config.speculative, config.num_speculative_tokens, row_cost)
+        return Speculation.build(config.speculative, config.num_speculative_tokens, cost)
 
     def _draft_filter(self, request: Request, draft: list[int]) -> int:
         """How many leading draft tokens the request's grammar allows (all, unconstrained)."""
@@ -243,6 +246,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (all its samples) at once, freeing its blocks; None if it is unknown or done."""
         return self.output_processor.abort(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's contents (no request may be running): the next prompts are
+        computed in full, as on a fresh engine (a benchmark's runs of the same prompts)."""
+        pool = getattr(self.kv_cache, "pool", None)
+        if pool is not None:
+            pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

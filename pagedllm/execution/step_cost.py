@@ -1,11 +1,13 @@
 """What one more row costs a decode step, measured on this machine, for speculative decoding's policy.
 
-A decode step costs about `base + per_row * rows`: the weights are read once whatever the
-rows, and each row adds its share of compute.  The ratio per_row / base decides how many
-draft tokens are worth verifying (core/speculation.py), and it differs by an order of
+A decode step costs about `base + rows * per_row + (context tokens over all rows) *
+per_context_token`: the weights are read once whatever the rows, each row adds its share of
+compute, and its attention reads its context's K/V.  The ratios to `base` decide how many
+draft tokens are worth verifying (core/speculation.py), and they differ by an order of
 magnitude between machines and dtypes (weight-bound float32 on AVX2, compute-bound bfloat16
-on a small model), so it is measured once when the engine starts: decode-only steps of a
-few row counts, timed, fitted by least squares.
+on a small model), so they are measured once when the engine starts: decode-only steps of a
+few row counts at a short context, fitted by least squares, and one row count at a long
+context.  Each timing is the fastest of a few runs: a capability, not a figure to report.
 """
 
 from __future__ import annotations
@@ -13,42 +15,54 @@ from __future__ import annotations
 import logging
 import time
 
+from pagedllm.core.speculation import StepCost
 from pagedllm.execution.model_runner import ModelRunner, VerifyRow
 
 logger = logging.getLogger("pagedllm")
 
 ROW_COUNTS = (1, 4, 8, 16)
+LONG_CONTEXT = 1024
 REPEATS = 3
 
 
-def measure_row_cost(runner: ModelRunner, row_counts: tuple[int, ...] = ROW_COUNTS, repeats: int = REPEATS) -> float:
-    """per_row / base of this runner's decode steps (rows of short context, on the padding block)."""
+def _time(runner: ModelRunner, chunks: list[VerifyRow], repeats: int) -> float:
+    runner.run(chunks, [])  # warm up this shape's kernels
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.run(chunks, [])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_step_cost(
+    runner: ModelRunner, row_counts: tuple[int, ...] = ROW_COUNTS, repeats: int = REPEATS
+) -> StepCost:
+    """This runner's decode-step cost, relative to its base (rows on the padding block, zeroed)."""
     bs, padding = runner.block_size, runner.padding_block
     for cache in runner.kv_caches:  # the rows read it: zeros, not whatever the allocation held
         cache[:, padding].zero_()
-    times = []
-    for rows in row_counts:
-        chunks = [VerifyRow(j % bs, [0], [padding], 1) for j in range(rows)]
-        runner.run(chunks, [])  # warm up this row count's kernels
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.run(chunks, [])
-            best = min(best, time.perf_counter() - start)
-        times.append(best)
+    times = [_time(runner, [VerifyRow(j % bs, [0], [padding], 1) for j in range(rows)], repeats) for rows in row_counts]
     n = len(row_counts)
     mean_rows, mean_time = sum(row_counts) / n, sum(times) / n
     slope = sum((r - mean_rows) * (t - mean_time) for r, t in zip(row_counts, times)) / sum(
         (r - mean_rows) ** 2 for r in row_counts
     )
-    base = mean_time - slope * mean_rows
-    ratio = max(slope, 1e-6) / max(base, slope, 1e-6)
+    base = max(mean_time - slope * mean_rows, slope, 1e-6)
+    slope = max(slope, 1e-6)
+    # The widest row count again, each row at a long context (one block, named over and over).
+    rows, blocks = row_counts[-1], LONG_CONTEXT // bs
+    long = [VerifyRow(blocks * bs - 1 - j % bs, [0], [padding] * blocks, 1) for j in range(rows)]
+    short_context = sum(j % bs + 1 for j in range(rows))
+    long_context = sum(blocks * bs - j % bs for j in range(rows))
+    per_token = max(_time(runner, long, repeats) - times[-1], 0.0) / (long_context - short_context)
+    cost = StepCost(slope / base, per_token / base)
     logger.info(
-        "decode step cost: %.2f ms + %.2f ms per row (per-row / base %.3f; rows %s: %s ms)",
+        "decode step cost: %.2f ms + %.3f ms per row + %.2f us per context token (rows %s: %s ms)",
         base * 1e3,
         slope * 1e3,
-        ratio,
+        per_token * 1e6,
         list(row_counts),
         ", ".join(f"{t * 1e3:.1f}" for t in times),
     )
-    return ratio
+    return cost
