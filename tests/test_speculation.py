@@ -64,6 +64,12 @@ def test_suffix_drafter_follows_the_most_frequent_continuation():
     assert SuffixDrafter(depth=8, min_confidence=0.6).propose("s", tokens, 4).token_ids == [7, 8]
 
 
+def test_suffix_drafts_run_past_the_trees_depth():
+    drafter = SuffixDrafter(depth=4)
+    tokens = list(range(100, 120)) + list(range(100, 110))  # quoting a passage longer than the depth
+    assert drafter.propose("r", tokens, 8).token_ids == list(range(110, 118))
+
+
 def test_suffix_drafter_shares_finished_outputs_and_evicts_the_oldest():
     drafter = SuffixDrafter(depth=6, min_match=2, cross_request=True, max_cached_requests=1)
     drafter.finish("a", [10, 11, 12, 13])

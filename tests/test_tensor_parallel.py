@@ -354,3 +354,18 @@ def test_other_architectures_at_two_ranks_match_one_rank(name, tmp_path):
     finally:
         llm.shutdown()
     assert outputs == [hf_greedy(hf_model, prompt, 12) for prompt in prompts]
+
+
+def test_speculative_decoding_under_tp_gives_one_ranks_tokens(tiny4, tiny4_reference):
+    """Draft rows travel to the workers as plain decode rows; rows priced near zero so that every
+    step verifies drafts."""
+    prompts, expected, _ = tiny4_reference
+    repeated = [p + p[:12] for p in prompts]  # drafts from the prompt's own repeats
+    with LLM(tiny4, **TINY_ARGS) as llm:
+        want = llm.generate(repeated, greedy(20))
+    spec = {"speculative": "ngram", "speculative_row_cost": 0.001}
+    with LLM(tiny4, tensor_parallel_size=2, **TINY_ARGS, **spec) as llm:
+        got = llm.generate(repeated, greedy(20))
+        assert llm.engine.speculation.stats.draft_tokens > 0
+        assert_no_blocks_held(llm)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

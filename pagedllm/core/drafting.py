@@ -135,10 +135,13 @@ class SuffixTree:
         return None
 
 
-def _follow(node: _Node, max_tokens: int, min_confidence: float) -> Draft:
-    """The most frequent path below `node`, while each step's frequency holds up."""
+def _follow(node: _Node, max_tokens: int, min_confidence: float) -> tuple[Draft, bool]:
+    """The most frequent path below `node`, while each step's frequency holds up; and whether it
+    ended only because the tree's depth did (a node with no children)."""
     tokens, confidence = [], []
-    while len(tokens) < max_tokens and node.children:
+    while len(tokens) < max_tokens:
+        if not node.children:
+            return Draft(tokens, confidence), True
         token, child = max(node.children.items(), key=lambda item: item[1].count)
         share = child.count / max(node.count, child.count)
         if share < min_confidence:
@@ -146,7 +149,7 @@ def _follow(node: _Node, max_tokens: int, min_confidence: float) -> Draft:
         tokens.append(token)
         confidence.append(share)
         node = child
-    return Draft(tokens, confidence)
+    return Draft(tokens, confidence), False
 
 
 class SuffixDrafter:
@@ -184,12 +187,24 @@ class SuffixDrafter:
         if max_tokens <= 0 or len(token_ids) < self.min_match:
             return Draft.empty()
         tree = self._tree(request_id, token_ids)
-        node = tree.match(token_ids, self.min_match)
-        if node is None and self.cross_request and self._shared_outputs:
-            node = self.shared.match(token_ids, self.min_match)
-        if node is None:
-            return Draft.empty()
-        return _follow(node, max_tokens, self.min_confidence)
+        context = token_ids[-self.depth :]
+        tokens: list[int] = []
+        confidence: list[float] = []
+        # A path is at most `depth` tokens deep: where it ends for that reason alone, the draft so far
+        # is matched again as part of the context, and followed on.
+        while len(tokens) < max_tokens:
+            node = tree.match(context, self.min_match)
+            if node is None and self.cross_request and self._shared_outputs:
+                node = self.shared.match(context, self.min_match)
+            if node is None:
+                break
+            draft, at_depth = _follow(node, max_tokens - len(tokens), self.min_confidence)
+            tokens += draft.token_ids
+            confidence += draft.confidence
+            if not at_depth or not draft.token_ids:
+                break
+            context = (context + draft.token_ids)[-self.depth :]
+        return Draft(tokens, confidence)
 
     def finish(self, request_id: str, output_token_ids: list[int]) -> None:
         self._trees.pop(request_id, None)
