@@ -11,6 +11,8 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.core.sampling_params import StructuredOutput
+from pagedllm.core.speculation import StepCost
+from tests.conftest import release_shared_engines
 
 TEXT = (Path(__file__).parent.parent / "docs" / "paging.md").read_text()[:4000]
 
@@ -24,6 +26,15 @@ CHATS = [
 ]
 
 
+SPEC_KV = "512MiB"  # the engines with drafts are extra to the suite's shared ones: small caches
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_engines_after_the_module():
+    yield
+    release_shared_engines()  # the suite's later tests need the memory these engines hold
+
+
 @pytest.fixture(params=["ngram", "suffix"])
 def method(request):
     return request.param
@@ -34,7 +45,7 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def test_greedy_tokens_equal_decoding_one_at_a_time(make_llm, method):
-    plain, spec = make_llm(), make_llm(speculative=method)
+    plain, spec = make_llm(), make_llm(speculative=method, kv_cache_memory=SPEC_KV)
     params = SamplingParams(temperature=0, max_tokens=80)
     expected = tokens(plain.chat(CHATS, params))
     assert tokens(spec.chat(CHATS, params)) == expected  # batched
@@ -45,7 +56,7 @@ def test_greedy_tokens_equal_decoding_one_at_a_time(make_llm, method):
 
 
 def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, method):
-    plain, spec = make_llm(), make_llm(speculative=method)
+    plain, spec = make_llm(), make_llm(speculative=method, kv_cache_memory=SPEC_KV)
     reference = plain.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
     middle = len(reference.text) // 2
     stop_word = reference.text[middle : middle + 5]
@@ -68,7 +79,7 @@ def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, me
 
 
 def test_a_grammar_checks_the_drafts(make_llm):
-    plain, spec = make_llm(), make_llm(speculative="ngram")
+    plain, spec = make_llm(), make_llm(speculative="ngram", kv_cache_memory=SPEC_KV)
     line = "the cat sat on the mat. "
     chat = [{"role": "user", "content": f"Write '{line}' ten times."}]
     params = SamplingParams(temperature=0, max_tokens=50, structured_output=StructuredOutput(regex=f"({line}){{4}}"))
@@ -80,7 +91,7 @@ def test_a_grammar_checks_the_drafts(make_llm):
 
 
 def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(make_llm):
-    plain, spec = make_llm(), make_llm(speculative="ngram")
+    plain, spec = make_llm(), make_llm(speculative="ngram", kv_cache_memory=SPEC_KV)
     params = [SamplingParams(temperature=0.8, max_tokens=48, seed=s) for s in range(4)]
     chats = [CHATS[0]] * 4
     want = tokens(plain.chat(chats, params))
@@ -108,11 +119,12 @@ def two_sample_chi2_p(a: Counter, b: Counter) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_sampling_keeps_the_models_distribution(make_llm):
+def test_sampling_keeps_the_models_distribution(make_llm, monkeypatch):
     """Unseeded draws at temperature 0.8: the 2nd-4th tokens (drafted and verified with
     speculation) are distributed as without it.  Rows are priced near zero, so that every
     request of the batch gets drafts."""
-    plain, spec = make_llm(), make_llm(speculative="ngram", speculative_row_cost=0.001)
+    plain, spec = make_llm(), make_llm(speculative="ngram", kv_cache_memory=SPEC_KV)
+    monkeypatch.setattr(spec.engine.speculation, "cost", StepCost(0.001))
     chat = [{"role": "user", "content": "Repeat exactly: one two three four five six seven eight nine ten"}]
     params = SamplingParams(temperature=0.8, max_tokens=4)
     before = spec.engine.speculation.stats.draft_tokens
@@ -126,7 +138,7 @@ def test_sampling_keeps_the_models_distribution(make_llm):
 
 
 def test_abort_mid_draft_frees_every_block(make_llm):
-    spec = make_llm(speculative="ngram")
+    spec = make_llm(speculative="ngram", kv_cache_memory=SPEC_KV)
     engine = spec.engine
     before = engine.speculation.stats.draft_tokens
     params = SamplingParams(temperature=0, max_tokens=200)

@@ -357,15 +357,31 @@ def test_other_architectures_at_two_ranks_match_one_rank(name, tmp_path):
 
 
 def test_speculative_decoding_under_tp_gives_one_ranks_tokens(tiny4, tiny4_reference):
-    """Draft rows travel to the workers as plain decode rows; rows priced near zero so that every
-    step verifies drafts."""
+    """Draft rows travel to the workers as plain decode rows.  The drafter proposes the one-rank
+    run's own next tokens for the first half of each draft and junk after, and rows are priced
+    near zero, so every step verifies drafts and both acceptance and rejection happen."""
+    from pagedllm.core.drafting import Draft
+
     prompts, expected, _ = tiny4_reference
-    repeated = [p + p[:12] for p in prompts]  # drafts from the prompt's own repeats
-    with LLM(tiny4, **TINY_ARGS) as llm:
-        want = llm.generate(repeated, greedy(20))
+    want = {tuple(p): o.token_ids for p, o in zip(prompts, expected)}
+
+    class HalfRight:
+        def propose(self, request_id, token_ids, max_tokens):
+            for prompt, output in want.items():
+                if tuple(token_ids[: len(prompt)]) == prompt:
+                    done = len(token_ids) - len(prompt)
+                    draft = list(output[done : done + 2]) + [5, 6][: max(0, max_tokens - 2)]
+                    return Draft(draft[:max_tokens], [1.0] * len(draft[:max_tokens]))
+            return Draft.empty()
+
+        def finish(self, request_id, output_token_ids):
+            pass
+
     spec = {"speculative": "ngram", "speculative_row_cost": 0.001}
     with LLM(tiny4, tensor_parallel_size=2, **TINY_ARGS, **spec) as llm:
-        got = llm.generate(repeated, greedy(20))
-        assert llm.engine.speculation.stats.draft_tokens > 0
+        llm.engine.speculation.drafter = HalfRight()
+        got = llm.generate(prompts, greedy(20))
+        stats = llm.engine.speculation.stats
+        assert stats.accepted_tokens > 0 and stats.draft_tokens > stats.accepted_tokens
         assert_no_blocks_held(llm)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]

@@ -77,9 +77,10 @@ class StepCost:
 
     row: float
     context_token: float = 0.0
+    sampled_row: float = 0.0  # a row sampled at a temperature (greedy rows take an argmax, ~free)
 
-    def of_row(self, context_tokens: int) -> float:
-        return self.row + self.context_token * context_tokens
+    def of_row(self, context_tokens: int, greedy: bool = True) -> float:
+        return self.row + self.context_token * context_tokens + (0.0 if greedy else self.sampled_row)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Speculation:
     def build(method: str, max_draft_tokens: int, cost: StepCost) -> Speculation:
         if max_draft_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {max_draft_tokens}")
-        if cost.row <= 0 or cost.context_token < 0:
+        if cost.row <= 0 or cost.context_token < 0 or cost.sampled_row < 0:
             raise ValueError(f"a step's row cost must be positive, got {cost}")
         return Speculation(make_drafter(method), max_draft_tokens, cost)
 
@@ -139,7 +140,7 @@ class Speculation:
         for request in decoding:
             record = self._records.get(request.request_id)
             rate = self.acceptance(request.request_id)
-            cost = self.cost.of_row(request.num_tokens)
+            cost = self.cost.of_row(request.num_tokens, request.sampling_params.greedy)
             if rate * (cost + 1.0 / rows) <= cost:  # not even its first draft token could pay: skip the drafter
                 if record is not None:
                     record.decay(IDLE_DECAY)
@@ -154,7 +155,11 @@ class Speculation:
                 chance *= rate * confidence
                 candidates.append((chance, j, request.request_id))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        row_cost = {r.request_id: self.cost.of_row(r.num_tokens) for r in decoding if r.request_id in drafts}
+        row_cost = {
+            r.request_id: self.cost.of_row(r.num_tokens, r.sampling_params.greedy)
+            for r in decoding
+            if r.request_id in drafts
+        }
         taken: dict[str, int] = {}
         for chance, j, request_id in candidates:
             if rows - len(decoding) - other_rows >= max_draft_tokens:

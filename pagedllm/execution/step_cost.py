@@ -6,8 +6,9 @@ compute, and its attention reads its context's K/V.  The ratios to `base` decide
 draft tokens are worth verifying (core/speculation.py), and they differ by an order of
 magnitude between machines and dtypes (weight-bound float32 on AVX2, compute-bound bfloat16
 on a small model), so they are measured once when the engine starts: decode-only steps of a
-few row counts at a short context, fitted by least squares, and one row count at a long
-context.  Each timing is the fastest of a few runs: a capability, not a figure to report.
+few row counts at a short context, fitted by least squares, one row count at a long
+context, and the sampler on as many rows at a temperature (softmax and cumulative sums over the
+vocabulary, which greedy rows skip).  Each timing is the fastest of a few runs: a capability, not a figure to report.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.speculation import StepCost
 from pagedllm.execution.model_runner import ModelRunner, VerifyRow
 
@@ -31,6 +35,20 @@ def _time(runner: ModelRunner, chunks: list[VerifyRow], repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         runner.run(chunks, [])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sampling_time(runner: ModelRunner, rows: int, repeats: int) -> float:
+    """Seconds to sample `rows` rows of logits at temperature 1 (a greedy row's argmax is ~free)."""
+    logits = torch.randn(rows, runner.model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits = logits.to(runner.device)
+    params = [SamplingParams(temperature=1.0)] * rows
+    runner.sampler(logits, params, [None] * rows)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.sampler(logits, params, [None] * rows)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -56,11 +74,14 @@ def measure_step_cost(
     short_context = sum(j % bs + 1 for j in range(rows))
     long_context = sum(blocks * bs - j % bs for j in range(rows))
     per_token = max(_time(runner, long, repeats) - times[-1], 0.0) / (long_context - short_context)
-    cost = StepCost(slope / base, per_token / base)
+    per_sampled_row = _sampling_time(runner, rows, repeats) / rows
+    cost = StepCost(slope / base, per_token / base, per_sampled_row / base)
     logger.info(
-        "decode step cost: %.2f ms + %.3f ms per row + %.2f us per context token (rows %s: %s ms)",
+        "decode step cost: %.2f ms + %.3f ms per row (+%.3f ms sampled at a temperature) + %.2f us per "
+        "context token (rows %s: %s ms)",
         base * 1e3,
         slope * 1e3,
+        per_sampled_row * 1e3,
         per_token * 1e6,
         list(row_counts),
         ", ".join(f"{t * 1e3:.1f}" for t in times),
