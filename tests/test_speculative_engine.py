@@ -163,7 +163,7 @@ def test_served_streams_equal_offline_and_metrics_show_drafts(make_llm):
 
     want = make_llm().chat(CHATS[0], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text
     config = EngineConfig(dtype="float32", weights="dequantized", kv_cache_memory="64MiB", speculative="ngram")
-    with serve_in_process(LLMEngine(config)) as (server, _):
+    with serve_in_process(LLMEngine(config)) as (server, async_engine):
         client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(
             model=MODEL, messages=CHATS[0], max_tokens=64, temperature=0, stream=True
@@ -179,3 +179,4 @@ def test_served_streams_equal_offline_and_metrics_show_drafts(make_llm):
         for name in ("pagedllm_spec_draft_tokens_total", "pagedllm_spec_acceptance_rate"):
             assert name in metrics
         assert "pagedllm_spec_mean_accepted_length" in metrics
+        async_engine.shutdown()  # its thread would otherwise hold the engine's memory for the session

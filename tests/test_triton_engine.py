@@ -81,7 +81,8 @@ def test_decode_graph_inputs_and_padding_give_the_eager_tokens(checkpoint):
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (5, 9, 14)]
-    args = dict(dtype="float32", block_size=8, attention="triton", max_model_len=64)
+    # A small cache: the test needs a few blocks, not the default 4 GiB of the machine's memory.
+    args = dict(dtype="float32", block_size=8, attention="triton", max_model_len=64, kv_cache_memory="64MiB")
     with LLM(str(checkpoint), **args) as llm:
         eager = [o.token_ids for o in llm.generate(prompts, greedy(6))]
         forks = llm.generate(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=4))[0].outputs
