@@ -14,9 +14,11 @@ Workloads:
 For each workload, batch size (`--batch`: 1 runs `--single-requests` requests one after
 another, alone; B > 1 submits B requests at once and checks that all B ran together) and
 temperature (greedy, and 0.8 with a seed per request, so every setting draws the same tokens:
-seeded draws depend on the token's index only), every setting (off, then each `--methods`)
-runs the same requests on one engine, whose drafter is swapped; settings alternate within each
-repeat, in a rotating order.  Reported
+seeded draws depend on the token's index only), every setting (off, a control that is off
+again, then each `--methods`) runs the same requests on one engine, whose drafter is swapped;
+settings alternate within each repeat, in a rotating order.  The control's ratio to off is
+what the machine's noise alone makes of a ratio: read the on/off ratios against it.  Each case
+starts with one uncounted run, so that no setting pays for the first use of its shapes.  Reported
 per case: output tokens/s over the wall time, decode tokens/s (a request's tokens after its
 first over the time since its first, summed over requests), each as median (min-max) over
 the repeats; the ratio on/off taken within each repeat, median (min-max); acceptance rate,
@@ -159,6 +161,9 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--no-control", dest="control", action="store_false", help="skip the second off run (the noise floor)"
+    )
     args = parser.parse_args()
 
     # One engine for every setting, its drafter swapped per run (a fresh one each time, so the suffix
@@ -173,12 +178,14 @@ def main() -> None:
     )
     engine = LLMEngine(config)
     cost = engine.speculation.cost
-    names = ["off", *args.methods]
+    # "control" is off again: its ratio to off is the noise floor of the on/off ratios beside it.
+    names = ["off", *(["control"] if args.control else []), *args.methods]
 
     def use(name: str) -> LLMEngine:
-        spec = None if name == "off" else Speculation.build(name, args.num_speculative_tokens, cost)
+        off = name in ("off", "control")
+        spec = None if off else Speculation.build(name, args.num_speculative_tokens, cost)
         engine.speculation = engine.scheduler.speculation = spec
-        engine.config.speculative = name
+        engine.config.speculative = "off" if off else name
         engine.reset_prefix_cache()  # every run computes its prompts, as the first one did
         return engine
 
@@ -187,11 +194,16 @@ def main() -> None:
         "cpu": cpu_summary(),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "step_cost": dataclasses.asdict(cost),
+        "draft_row_limits": list(engine.scheduler.draft_row_limits),
         "num_speculative_tokens": args.num_speculative_tokens,
         "repeats": args.repeats,
         "cases": [],
     }
-    print(f"# {result['cpu']}, {result['dtype']}, step cost {result['step_cost']}", flush=True)
+    print(
+        f"# {result['cpu']}, {result['dtype']}, step cost {result['step_cost']}, "
+        f"draft row limits {result['draft_row_limits']}",
+        flush=True,
+    )
     for workload in args.workloads:
         most = max(max(args.batch), args.single_requests)
         if workload == "grounded":
@@ -204,6 +216,7 @@ def main() -> None:
             requests = pool[: args.single_requests] if batch == 1 else pool[:batch]
             for temperature in args.temperatures:
                 runs: dict[str, list[dict]] = {n: [] for n in names}
+                run(use("off"), requests, temperature, ignore_eos, together=batch > 1)  # warm-up, not counted
                 for repeat in range(args.repeats):
                     for k in range(len(names)):
                         name = names[(repeat + k) % len(names)]
@@ -236,14 +249,19 @@ def main() -> None:
                         entry["identical_requests"] = sum(
                             rs[0]["tokens"][i] == off[0]["tokens"][i] for i in off[0]["tokens"]
                         )
-                        entry["speculation"] = rs[-1]["speculation"]
+                        if name != "control":
+                            entry["speculation"] = rs[-1]["speculation"]
                     case[name] = entry
                 result["cases"].append(case)
                 off_median = case["off"]["output_tok_s"]["median"]
                 line = f"{workload:14s} batch {batch:3d} T={temperature:.1f}: off {off_median:8.1f} tok/s"
                 for name in names[1:]:
                     e = case[name]
-                    ratio, decode, spec = e["output_ratio"], e["decode_ratio"], e["speculation"]
+                    ratio, decode = e["output_ratio"], e["decode_ratio"]
+                    if name == "control":
+                        line += f" | control x{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+                        continue
+                    spec = e["speculation"]
                     line += (
                         f" | {name} x{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
                         f" decode x{decode['median']:.2f} acc {spec['acceptance_rate']:.2f}"

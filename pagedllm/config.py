@@ -164,6 +164,15 @@ class EngineConfig:
     num_speculative_tokens: int = setting(
         10, "most draft tokens per request and step (the policy gives fewer where they do not pay)", kind="int"
     )
+    speculative_exact: bool = setting(
+        True,
+        "drafts never take a step's rows past a row count where the model's kernels change, so greedy output "
+        "is token-identical to speculation off; false lets them, which verifies more drafts where a few-row "
+        "kernel stops early (bfloat16 weights with AMX: 2 rows) at the price of last-bit differences that can "
+        "flip near-ties (docs/speculative.md)",
+        kind="bool",
+        off_flag="--no-speculative-exact",
+    )
     speculative_row_cost: float | None = setting(
         None,
         "a decode step's cost per row over its cost with no rows, which decides how many drafts pay "

@@ -3,6 +3,7 @@ random acceptance (the scheduler with a scripted model, no torch)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.arith import cdiv
-from pagedllm.core.drafting import Draft, NgramDrafter, SuffixDrafter, SuffixTree
+from pagedllm.core.drafting import ROOT, Draft, NgramDrafter, SuffixDrafter, SuffixTree
 from pagedllm.core.kv_cache_manager import FREED, KVCacheManager, block_key
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
@@ -46,10 +47,21 @@ def test_suffix_tree_counts_contexts_and_forgets_them():
     tree = SuffixTree(depth=3)
     tree.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
     node = tree.match([7, 1, 2], min_length=2)
-    assert node is not None and node.count == 3
-    assert {t: c.count for t, c in node.children.items()} == {3: 2, 4: 1}
+    assert node is not None and tree.counts[node] == 3
+    assert {t: tree.counts[c] for t, c in tree.children[node].items()} == {3: 2, 4: 1}
+    grown = tree.num_nodes
     tree.add([1, 2, 3, 1, 2, 4, 1, 2, 3], sign=-1)
-    assert not tree.root.children
+    assert not tree.children[ROOT] and tree.num_nodes == 1
+    tree.add([1, 2, 3, 1, 2, 4, 1, 2, 3])  # emptied nodes are given out again
+    assert tree.num_nodes == grown and len(tree.counts) == grown
+
+
+def test_suffix_tree_holds_nothing_the_garbage_collector_tracks():
+    rng = random.Random(0)
+    tree = SuffixTree(depth=16)
+    tree.add([rng.randrange(50) for _ in range(2000)])
+    assert tree.num_nodes > 10_000
+    assert not any(gc.is_tracked(kids) for kids in tree.children if kids is not None)
 
 
 def test_suffix_drafter_follows_the_most_frequent_continuation():
@@ -101,6 +113,62 @@ def decoding(request_id: str, max_tokens: int = 50) -> Request:
     r.append_token(4)
     r.num_computed_tokens = 3
     return r
+
+
+class Counting(Scripted):
+    """A scripted drafter that counts how often it is asked."""
+
+    def __init__(self, drafts: dict[str, list[int]]) -> None:
+        super().__init__(drafts)
+        self.calls = 0
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> Draft:
+        self.calls += 1
+        return super().propose(request_id, token_ids, max_tokens)
+
+
+def drafts_in_first_decode_step(num_requests: int, limits: tuple[int, ...]) -> int:
+    """Draft tokens scheduled in the first decode step of `num_requests` requests that all draft well."""
+    kv = KVCacheManager(400, 4, enable_prefix_caching=False)
+    drafter = Scripted({f"r{i}": [7] * 8 for i in range(num_requests)})
+    spec = Speculation(drafter, max_draft_tokens=8, cost=StepCost(1e-3))
+    scheduler = Scheduler(kv, 1024, 32, speculation=spec, draft_row_limits=limits)
+    for i in range(num_requests):
+        scheduler.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50), max_model_len=100))
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, {chunk.request.request_id: [5] for chunk in prefill.scheduled})
+    step = scheduler.schedule()
+    assert len(step.scheduled) == num_requests
+    return sum(len(chunk.draft_token_ids) for chunk in step.scheduled)
+
+
+def test_drafts_keep_a_steps_rows_within_the_kernels_row_limits():
+    assert drafts_in_first_decode_step(2, ()) == 16  # not limited
+    assert drafts_in_first_decode_step(2, (4, 16)) == 2  # up to 4 rows
+    assert drafts_in_first_decode_step(4, (4, 16)) == 0  # at the limit already
+    assert drafts_in_first_decode_step(5, (4, 16)) == 11  # up to 16 rows
+    assert drafts_in_first_decode_step(17, (4, 16)) == 0  # past the last limit, nothing is promised
+
+
+def test_a_drafter_that_finds_nothing_is_asked_less_often_until_it_finds_something():
+    drafter = Counting({})
+    spec = Speculation(drafter, max_draft_tokens=4, cost=StepCost(0.1))
+    request = decoding("a")
+    for _ in range(90):
+        assert spec.plan([request], 0, 100) == {}
+    # Asked at steps 1, 3, 6, 11, 20, then every ninth step.
+    assert drafter.calls == 5 + (90 - 20) // 9
+    drafter.drafts["a"] = [7, 7]
+    steps = 0
+    while not spec.plan([request], 0, 100):
+        steps += 1
+    assert steps < 9
+    calls = drafter.calls
+    for _ in range(5):
+        assert spec.plan([request], 0, 100)
+    assert drafter.calls == calls + 5  # a draft was verified: asked every step again
+    spec.finish(request)
+    assert not spec._backoff
 
 
 def test_a_good_record_earns_long_drafts_and_a_bad_one_none():
@@ -204,7 +272,8 @@ def check_cache(kv: KVCacheManager, scheduler: Scheduler) -> None:
 def test_random_acceptance_keeps_counts_keys_and_tokens_exact(seed, block_size, windows, num_blocks, max_draft, budget):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, group_windows=windows)
-    spec = Speculation(RandomDrafter(seed), max_draft_tokens=max_draft, cost=StepCost(1e-3))
+    # Asked every step: its empty drafts would otherwise put off asking.
+    spec = Speculation(RandomDrafter(seed), max_draft_tokens=max_draft, cost=StepCost(1e-3), max_backoff_steps=0)
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=6, speculation=spec)
     requests = []
     shared_prompt = [rng.randrange(VOCAB) for _ in range(6)]

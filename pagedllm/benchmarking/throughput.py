@@ -114,6 +114,7 @@ def speculation_stats(engine: LLMEngine, before: SpeculationStats | None) -> dic
         "method": engine.config.speculative,
         "row_cost": engine.speculation.cost.row,
         "context_token_cost": engine.speculation.cost.context_token,
+        "draft_row_limits": list(engine.scheduler.draft_row_limits),
         **delta.as_dict(),
     }
 

@@ -94,11 +94,16 @@ class Scheduler:
         prompt_salt: Callable[[int], bytes] | None = None,
         speculation: Speculation | None = None,
         draft_filter: Callable[[Request, list[int]], int] | None = None,
+        draft_row_limits: tuple[int, ...] = (),
     ) -> None:
         """`prompt_salt`: what, given a prompt's length, besides its tokens makes a request's KV
         differ (mixed into its prefix-cache keys); None: nothing.  `speculation`: draft tokens for
         decoding requests (None: off); `draft_filter(request, draft)`: how many leading draft
-        tokens the request can take at all (its grammar's say)."""
+        tokens the request can take at all (its grammar's say); `draft_row_limits`: the row
+        counts that end the ranges within which the model computes a row the same whatever the
+        rows beside it (the last range ends at the last); a step's drafts keep its rows, and its
+        decoding rows, within the range they are in without drafts, and a step past the last gets
+        none.  Empty: drafts are not limited so."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -111,6 +116,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.prompt_salt = prompt_salt
         self.speculation = speculation
+        self.draft_row_limits = tuple(sorted(draft_row_limits))
         self.draft_filter = draft_filter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -228,6 +234,11 @@ class Scheduler:
                 other_rows += remaining
         other_rows = min(other_rows, prefill_budget)
         allowance = self.max_num_batched_tokens - len(self.running) - other_rows
+        if self.draft_row_limits:  # the rows (and the sampled rows) stay within their kernels' range
+            decoding_rows = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            for rows in (decoding_rows, decoding_rows + other_rows):
+                limit = next((limit for limit in self.draft_row_limits if limit >= rows), rows)
+                allowance = min(allowance, limit - rows)
         drafts = self.speculation.plan(decoding, other_rows, allowance)
         if self.draft_filter is not None:
             by_id = {r.request_id: r for r in decoding}

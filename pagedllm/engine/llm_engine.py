@@ -122,6 +122,8 @@ class LLMEngine:
             )
         rotary = built.model.rotary
         self.speculation = self._speculation(config)
+        exact = self.speculation is not None and config.speculative_exact
+        self.draft_row_limits = built.model.kernel_row_limits() if exact else ()
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
@@ -130,6 +132,7 @@ class LLMEngine:
             prompt_salt=rotary.cache_salt if rotary.length_dependent else None,
             speculation=self.speculation,
             draft_filter=self._draft_filter if self.speculation is not None else None,
+            draft_row_limits=self.draft_row_limits,
         )
         tokens = num_blocks * config.block_size
         c = model_config
@@ -198,11 +201,12 @@ class LLMEngine:
         cost = StepCost(given) if given is not None else measure_step_cost(self.runner)
         logger.info(
             "speculative decoding: %s drafts, at most %d per request and step (a row costs %.3f of a step's "
-            "base, plus %.2e per context token)",
+            "base, plus %.2e per context token)%s",
             config.speculative,
             config.num_speculative_tokens,
             cost.row,
             cost.context_token,
+            "" if config.speculative_exact else "; drafts may cross the kernels' row limits",
         )
         return Speculation.build(config.speculative, config.num_speculative_tokens, cost)
 

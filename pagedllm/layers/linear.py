@@ -33,6 +33,10 @@ from pagedllm.layers.cpu_kernels import CpuKernels
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 ONEDNN_ROWS_HINT = 128  # the batch size oneDNN's weight packing is told to expect
+# oneDNN's bfloat16 GEMM (AMX) blocks the rows differently past this many: for some shapes a row's
+# output changes in its last bits from 33 rows on.
+ONEDNN_BF16_ROW_LIMIT = 32
+UNLIMITED_ROWS = 1 << 30  # a row limit this large is none
 
 
 @functools.cache
@@ -71,6 +75,7 @@ class Linear:
         if max_rows and pairs_fit:
             self.small_weight, self.small_max_rows = small_batch.pack_panels(weight), max_rows
             self._small = functools.partial(small_batch.packed_gemm, n=self.out_features)
+        self.dtype = weight.dtype
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS_HINT)
             self._forward = self._onednn
@@ -82,6 +87,18 @@ class Linear:
         if x.shape[0] <= self.small_max_rows:
             return self._small(x.contiguous(), self.small_weight)
         return self._forward(x)
+
+    def row_limits(self, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+        """The row counts that end the ranges within which a row's output does not depend on how many
+        rows share the call (its kernels, and their blocking, stay the same); past the last, nothing
+        is promised.  Without the small-batch kernel one GEMM takes every row count, whose blocking
+        is not ours to know: (UNLIMITED_ROWS,).  (`dtype`: the weight's, the only one it runs.)"""
+        if not self.small_max_rows:
+            return (UNLIMITED_ROWS,)
+        onednn_bf16 = self._forward == self._onednn and self.dtype == torch.bfloat16
+        if onednn_bf16 and self.small_max_rows < ONEDNN_BF16_ROW_LIMIT:
+            return (self.small_max_rows, ONEDNN_BF16_ROW_LIMIT)
+        return (self.small_max_rows,)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.cpu_kernels import CpuKernels, cpu_flags
-from pagedllm.layers.linear import ONEDNN_ROWS_HINT, onednn_supports
+from pagedllm.layers.linear import ONEDNN_ROWS_HINT, UNLIMITED_ROWS, onednn_supports
 
 BLOCK = 32  # values per quantized block along the inner dimension
 # Rows of a step up to which projections run on the integer kernels; above, in bfloat16 where
@@ -248,6 +248,17 @@ class QuantizedLinear:
             gemm(x, part, y, col)
             col += part.rows
         return y
+
+    def row_limits(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """The row counts that end the ranges within which a row of `dtype` activations comes out the
+        same whatever the rows beside it: the integer kernels' (each row's activations quantized on
+        their own) and, in bfloat16 with AMX, the tile kernel's.  Past them oneDNN or a float GEMM
+        block the rows as they see fit: nothing is promised there."""
+        if self.max_rows >= UNLIMITED_ROWS:
+            return (UNLIMITED_ROWS,)
+        if dtype == torch.bfloat16 and self.kernels.quant_amx and self.max_rows < self.tile_max_rows:
+            return (self.max_rows, min(self.tile_max_rows, UNLIMITED_ROWS))
+        return (self.max_rows,)
 
     def onednn_weight(self) -> torch.Tensor:
         """The weight dequantized to bfloat16 in a oneDNN packed tensor that the next call of any

@@ -23,8 +23,14 @@ from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import CpuKernels
 from pagedllm.layers.fused_decode import FusedDecode, FusedLayer, fusable
 from pagedllm.layers.fused_ops import LayerOps, TorchOps, rms_norm
-from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantized import PackedWeight, QuantizedLinear, QuantizedWeight, pack, quantized_embedding
+from pagedllm.layers.linear import UNLIMITED_ROWS, Linear
+from pagedllm.layers.quantized import (
+    PackedWeight,
+    QuantizedLinear,
+    QuantizedWeight,
+    pack,
+    quantized_embedding,
+)
 from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
@@ -32,7 +38,7 @@ from pagedllm.models.sharding import ShardLayout
 
 # Rows up to which a quantized LM head runs on the integer kernels: always (the LM head runs on
 # the sampled rows only, and dequantizing Gemma 3's 262,144-row table each step would cost more).
-LM_HEAD_MAX_ROWS = 1 << 30
+LM_HEAD_MAX_ROWS = UNLIMITED_ROWS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
@@ -392,6 +398,17 @@ class LlamaModel(nn.Module):
         if logits is not None and self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return None if logits is None else logits[:, : self.config.vocab_size]
+
+    def kernel_row_limits(self) -> tuple[int, ...]:
+        """The row counts that end the ranges within which every projection computes a row the same
+        whatever the rows beside it (`row_limits` of Linear and QuantizedLinear); past the last,
+        nothing is promised.  Speculative decoding keeps a step's draft rows within its range."""
+        linears = [linear for layer in self.layers for linear in layer.linears.values()]
+        if self.lm_head_linear is not None:
+            linears.append(self.lm_head_linear)
+        every = [linear.row_limits(self.norm.dtype) for linear in linears]
+        last = min(limits[-1] for limits in every)
+        return tuple(sorted({limit for limits in every for limit in limits if limit <= last}))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight this rank holds (packed copies included, the LM head once when tied)."""
