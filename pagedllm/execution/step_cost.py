@@ -26,16 +26,20 @@ logger = logging.getLogger("pagedllm")
 
 ROW_COUNTS = (1, 4, 8, 16)
 LONG_CONTEXT = 1024
-REPEATS = 3
+REPEATS = 5
 
 
-def _time(runner: ModelRunner, chunks: list[VerifyRow], repeats: int) -> float:
-    runner.run(chunks, [])  # warm up this shape's kernels
-    best = float("inf")
+def _times(runner: ModelRunner, steps: list[list[VerifyRow]], repeats: int) -> list[float]:
+    """The fastest of `repeats` runs of each step, timed in rounds that take every step in turn: a
+    burst of load from elsewhere then slows one run of each, not every run of one."""
+    for chunks in steps:
+        runner.run(chunks, [])  # warm up this shape's kernels
+    best = [float("inf")] * len(steps)
     for _ in range(repeats):
-        start = time.perf_counter()
-        runner.run(chunks, [])
-        best = min(best, time.perf_counter() - start)
+        for i, chunks in enumerate(steps):
+            start = time.perf_counter()
+            runner.run(chunks, [])
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -60,7 +64,13 @@ def measure_step_cost(
     bs, padding = runner.block_size, runner.padding_block
     for cache in runner.kv_caches:  # the rows read it: zeros, not whatever the allocation held
         cache[:, padding].zero_()
-    times = [_time(runner, [VerifyRow(j % bs, [0], [padding], 1) for j in range(rows)], repeats) for rows in row_counts]
+    # The widest row count again, each row at a long context (one block, named over and over): a
+    # draft row re-reads its request's context, which the request's first row has just brought
+    # into the cache.
+    rows, blocks = row_counts[-1], LONG_CONTEXT // bs
+    long = [VerifyRow(blocks * bs - 1 - j % bs, [0], [padding] * blocks, 1) for j in range(rows)]
+    short_steps = [[VerifyRow(j % bs, [0], [padding], 1) for j in range(r)] for r in row_counts]
+    *times, long_time = _times(runner, [*short_steps, long], repeats)
     n = len(row_counts)
     mean_rows, mean_time = sum(row_counts) / n, sum(times) / n
     slope = sum((r - mean_rows) * (t - mean_time) for r, t in zip(row_counts, times)) / sum(
@@ -68,12 +78,9 @@ def measure_step_cost(
     )
     base = max(mean_time - slope * mean_rows, slope, 1e-6)
     slope = max(slope, 1e-6)
-    # The widest row count again, each row at a long context (one block, named over and over).
-    rows, blocks = row_counts[-1], LONG_CONTEXT // bs
-    long = [VerifyRow(blocks * bs - 1 - j % bs, [0], [padding] * blocks, 1) for j in range(rows)]
     short_context = sum(j % bs + 1 for j in range(rows))
     long_context = sum(blocks * bs - j % bs for j in range(rows))
-    per_token = max(_time(runner, long, repeats) - times[-1], 0.0) / (long_context - short_context)
+    per_token = max(long_time - times[-1], 0.0) / (long_context - short_context)
     per_sampled_row = _sampling_time(runner, rows, repeats) / rows
     cost = StepCost(slope / base, per_token / base, per_sampled_row / base)
     logger.info(
