@@ -127,8 +127,9 @@ class Counting(Scripted):
         return super().propose(request_id, token_ids, max_tokens)
 
 
-def drafts_in_first_decode_step(num_requests: int, limits: tuple[int, ...]) -> int:
-    """Draft tokens scheduled in the first decode step of `num_requests` requests that all draft well."""
+def drafts_in_first_decode_step(num_requests: int, limits: tuple[int, ...], arrival: int = 0) -> int:
+    """Draft tokens scheduled in the first decode step of `num_requests` requests that all draft well
+    (and an `arrival`-token prompt admitted in that step)."""
     kv = KVCacheManager(400, 4, enable_prefix_caching=False)
     drafter = Scripted({f"r{i}": [7] * 8 for i in range(num_requests)})
     spec = Speculation(drafter, max_draft_tokens=8, cost=StepCost(1e-3))
@@ -137,9 +138,15 @@ def drafts_in_first_decode_step(num_requests: int, limits: tuple[int, ...]) -> i
         scheduler.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50), max_model_len=100))
     prefill = scheduler.schedule()
     scheduler.update(prefill, {chunk.request.request_id: [5] for chunk in prefill.scheduled})
+    if arrival:
+        scheduler.add_request(Request("late", [1] * arrival, SamplingParams(max_tokens=5), max_model_len=100))
     step = scheduler.schedule()
-    assert len(step.scheduled) == num_requests
-    return sum(len(chunk.draft_token_ids) for chunk in step.scheduled)
+    assert len(step.scheduled) == num_requests + (1 if arrival else 0)
+    rows = sum(chunk.num_new_tokens for chunk in step.scheduled)
+    drafts = sum(len(chunk.draft_token_ids) for chunk in step.scheduled)
+    assert rows == num_requests + arrival + drafts
+    assert len(kv.block_table("r0")) == cdiv(3 + 1 + len(step.scheduled[0].draft_token_ids), 4)
+    return drafts
 
 
 def test_drafts_keep_a_steps_rows_within_the_kernels_row_limits():
@@ -148,6 +155,13 @@ def test_drafts_keep_a_steps_rows_within_the_kernels_row_limits():
     assert drafts_in_first_decode_step(4, (4, 16)) == 0  # at the limit already
     assert drafts_in_first_decode_step(5, (4, 16)) == 11  # up to 16 rows
     assert drafts_in_first_decode_step(17, (4, 16)) == 0  # past the last limit, nothing is promised
+    # A prompt admitted in the same step counts among the step's rows.
+    assert drafts_in_first_decode_step(5, (4, 16), arrival=5) == 6  # 10 rows, 16 with drafts
+    assert drafts_in_first_decode_step(5, (4, 16), arrival=10) == 1
+    # Its sampled row (its whole prompt fits) would take the sampled rows from 4 to 5 with the one
+    # draft planned: the draft goes, and its slot with it.
+    assert drafts_in_first_decode_step(3, (4, 16), arrival=2) == 0
+    assert drafts_in_first_decode_step(3, (4, 16)) == 1
 
 
 def test_a_drafter_that_finds_nothing_is_asked_less_often_until_it_finds_something():

@@ -213,7 +213,31 @@ class Scheduler:
             output.scheduled.append(self._chunk(request, num_new))
             budget -= num_new
             prefill_budget -= num_new
+        if drafts and self.draft_row_limits:
+            self._keep_drafts_in_range(output)
         return output
+
+    def _range(self, rows: int) -> int:
+        """Which of `draft_row_limits`' ranges a step of `rows` rows is in (len: past the last)."""
+        return next((i for i, limit in enumerate(self.draft_row_limits) if rows <= limit), len(self.draft_row_limits))
+
+    def _keep_drafts_in_range(self, output: SchedulerOutput) -> None:
+        """Drafts were planned before the step's admissions: where those took the step's rows (or its
+        sampled rows) into another range than without the drafts, the step verifies none, and the
+        slots taken for them go back."""
+        num_drafts = sum(len(chunk.draft_token_ids) for chunk in output.scheduled)
+        if not num_drafts:
+            return
+        rows = output.num_batched_tokens
+        sampled = sum(1 + len(chunk.draft_token_ids) for chunk in output.scheduled if chunk.samples)
+        if self._range(rows) == self._range(rows - num_drafts) and self._range(sampled) == self._range(
+            sampled - num_drafts
+        ):
+            return
+        for i, chunk in enumerate(output.scheduled):
+            if chunk.draft_token_ids:
+                self.kv_cache.truncate(chunk.request.request_id, chunk.start + 1)
+                output.scheduled[i] = self._chunk(chunk.request, 1)
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may compute: the whole budget, or the cap when some request decodes."""
@@ -232,6 +256,8 @@ class Scheduler:
                 decoding.append(r)
             elif remaining > 1:
                 other_rows += remaining
+        if len(self.running) < self.max_num_seqs:  # prompts likely admitted this step share its rows
+            other_rows += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         other_rows = min(other_rows, prefill_budget)
         allowance = self.max_num_batched_tokens - len(self.running) - other_rows
         if self.draft_row_limits:  # the rows (and the sampled rows) stay within their kernels' range
