@@ -16,6 +16,9 @@ then computes its pending token and the drafts in one chunk.  The runner samples
 model's token at each of them; `update` keeps the drafts that match and the first model
 token after them, counts only those as computed, and gives back the blocks wholly past
 them.  Prefix-cache keys are made of computed tokens only, so never of a rejected draft.
+Drafts add rows to a step, and the model's kernels change with the row count: with
+`draft_row_limits` a step's drafts keep it in the row range it is in without them, so every
+row is computed as it would be without drafts.
 """
 
 from __future__ import annotations

@@ -124,6 +124,10 @@ class LLMEngine:
         self.speculation = self._speculation(config)
         exact = self.speculation is not None and config.speculative_exact
         self.draft_row_limits = built.model.kernel_row_limits() if exact else ()
+        if exact:
+            logger.info(
+                "speculative decoding: drafts keep a step within the row ranges ending at %s", self.draft_row_limits
+            )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
