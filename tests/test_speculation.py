@@ -325,4 +325,5 @@ def test_random_acceptance_keeps_counts_keys_and_tokens_exact(seed, block_size, 
             tokens.append(model_token(tokens))
         assert request.token_ids == tokens
         assert request.num_output_tokens == request.sampling_params.max_tokens
-    assert spec.stats.draft_tokens > 0
+    if budget >= 12:  # room for drafts beside 6 requests, once the prompts waiting for the budget are in
+        assert spec.stats.draft_tokens > 0
