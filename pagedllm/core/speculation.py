@@ -26,7 +26,7 @@ gets none until its own drafts show otherwise.
 Asking the drafter costs Python time (a lookup, and indexing the tokens appended since).  A
 request whose drafter found nothing worth verifying is not asked again for 1, 2, 4, then at
 most `MAX_BACKOFF_STEPS` steps, back to every step once a draft of its is verified: where
-nothing repeats (random text) the drafter is asked about one step in eight, and where the output
+nothing repeats (random text) the drafter is asked about one step in nine, and where the output
 copies its input, every step.
 """
 
