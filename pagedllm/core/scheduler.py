@@ -260,7 +260,10 @@ class Scheduler:
             elif remaining > 1:
                 other_rows += remaining
         if len(self.running) < self.max_num_seqs:  # prompts likely admitted this step share its rows
-            other_rows += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+            for r in self.waiting:  # (only up to the prefill budget: a long queue costs nothing more)
+                if other_rows >= prefill_budget:
+                    break
+                other_rows += r.num_tokens - r.num_computed_tokens
         other_rows = min(other_rows, prefill_budget)
         allowance = self.max_num_batched_tokens - len(self.running) - other_rows
         if self.draft_row_limits:  # the rows (and the sampled rows) stay within their kernels' range
