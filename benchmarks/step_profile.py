@@ -134,6 +134,7 @@ def profile(engine: LLMEngine, batch: int, context: int, steps: int, seed: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
@@ -141,7 +142,9 @@ def main() -> None:
     parser.add_argument("--output", default="bench-results/step-profile.json")
     parser.add_argument("--no-fused", action="store_true", help="run the Python layer loop, attention timed apart")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch)))
+    engine = LLMEngine(
+        EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch))
+    )
     if args.no_fused:
         engine.runner.model.fused_decode = None
 

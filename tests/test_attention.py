@@ -224,8 +224,8 @@ def test_cpp_attention_is_chosen_for_every_supported_head_dim(caplog):
 @pytest.mark.parametrize("window", [0, 40, 2000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypatch):
-    """`cpp_attention` sends whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts
-    to SDPA (unless the kernels compute bfloat16 natively), the rest of the step to the C++
+    """`cpp_attention` sends whole prompts of at least `sdpa_min_prompt` tokens that no window cuts
+    to SDPA (never, in bfloat16 with AVX512-BF16 but no AMX), the rest of the step to the C++
     kernels: a mixed step (a whole prompt over the threshold, one under it, a chunk over cached
     context, decodes) equals the reference, and the SDPA path was taken (or not, when the window
     cuts the prompt)."""
@@ -240,6 +240,22 @@ def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypat
     expected = reference_attention(q, cache, meta, window).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
-    # In bfloat16 with AVX512-BF16 the C++ kernel takes every prompt (it beat SDPA at every length).
-    native = dtype == torch.bfloat16 and attention_module.load_cpu_kernels().native_bf16
-    assert taken == ([] if window == 40 or native else [[0, 4]])
+    min_prompt = attention_module.sdpa_min_prompt(dtype, attention_module.load_cpu_kernels())
+    assert min_prompt is None or 30 < min_prompt <= 1025
+    assert taken == ([] if window == 40 or min_prompt is None else [[0, 4]])
+
+
+def test_sdpa_min_prompt_per_dtype_and_cpu():
+    """float32 (or bfloat16 computed in float32) hands long prompts to SDPA; bfloat16 with
+    AVX512-BF16 keeps them in the C++ kernel unless oneDNN has AMX tiles, then from 128 tokens."""
+    from types import SimpleNamespace
+
+    from pagedllm.layers.attention import SDPA_MIN_PROMPT, SDPA_MIN_PROMPT_AMX, sdpa_min_prompt
+
+    def cpu(native: bool, amx: bool) -> SimpleNamespace:
+        return SimpleNamespace(native_bf16=native, amx_bf16=amx)
+
+    assert sdpa_min_prompt(torch.float32, cpu(True, True)) == SDPA_MIN_PROMPT
+    assert sdpa_min_prompt(torch.bfloat16, cpu(False, False)) == SDPA_MIN_PROMPT
+    assert sdpa_min_prompt(torch.bfloat16, cpu(True, False)) is None
+    assert sdpa_min_prompt(torch.bfloat16, cpu(True, True)) == SDPA_MIN_PROMPT_AMX == 128

@@ -34,6 +34,7 @@ from pagedllm.execution.logits_processors import TokenHistory
 from pagedllm.execution.sampler import Sampler, token_seed
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
+from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.models.llama import LlamaModel
 
 logger = logging.getLogger("pagedllm")
@@ -136,6 +137,7 @@ class ModelRunner:
     ) -> None:
         c = model.config
         self.model = model
+        self.head_buffers = OutputBuffers()
         # Layer groups (core/layer_groups.py): one cache tensor per place in a group, each layer using
         # its place's tensor through its group's block table.  Default: one group of every layer.
         self.groups = groups or group_layers(c.layer_windows, window_freeing=False)
@@ -330,7 +332,8 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, step.rope_lengths)
         if not step.logits_rows.numel():
             return None
-        return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
+        # The logits are sampled before the next step runs, so the head's outputs can reuse buffers.
+        return self.model.compute_logits(hidden.index_select(0, step.logits_rows), self.head_buffers)
 
     def release(self, request_id: str) -> None:
         """Forget a finished sequence's grammar matcher (and, tensor parallel, the workers' copy of its table)."""

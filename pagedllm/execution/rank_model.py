@@ -27,7 +27,7 @@ from pagedllm.layers.attention import cpp_attention, select_attention
 from pagedllm.layers.fused_decode import FusedDecode, fused_decode_enabled
 from pagedllm.layers.fused_ops import CppOps, LayerOps, select_ops
 from pagedllm.layers.linear import resolve_linear_backend
-from pagedllm.layers.quantized import QuantizedWeight, quantized_max_rows
+from pagedllm.layers.quantized import QuantizedWeight, lm_head_max_rows, quantized_max_rows
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import AttentionFn, LlamaModel, QuantizedSetup
@@ -138,7 +138,11 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
     with torch.device(device):  # parameters and rotary tables are created on the device
         model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
-    quantized = QuantizedSetup(ops.kernels, quantized_max_rows(dtype, ops.kernels)) if native else None
+    quantized = (
+        QuantizedSetup(ops.kernels, quantized_max_rows(dtype, ops.kernels), lm_head_max_rows(dtype, ops.kernels))
+        if native
+        else None
+    )
     summary = describe_weights(weights, native)
     # linear=auto adds the small-batch packed GEMM (and its packed weight copy) where it runs; a named
     # backend is used alone.

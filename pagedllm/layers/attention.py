@@ -12,12 +12,14 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
   matmuls, each group padded only to its own longest member.
 - `cpp_attention`: C++/OpenMP kernels that read K/V in place through the block
   tables (no gather, no padding): one for prefill chunks (exact softmax over
-  key tiles, causal), one for decodes.  In float32 (and in bfloat16 without
-  AVX512-BF16, where the kernel computes in float32) a whole prompt of at least
-  SDPA_MIN_PROMPT tokens (no cached context) goes to SDPA instead: at long
-  context torch's flash attention measured faster than the C++ prefill kernel
-  there, where in bfloat16 with AVX512-BF16 the kernel measured ~2x faster
-  than SDPA up to 4,096 tokens (docs/performance.md).
+  key tiles, causal), one for decodes.  A whole prompt (no cached context) at
+  least `sdpa_min_prompt` tokens long goes to SDPA instead, where torch's flash
+  attention measured faster than the C++ prefill kernel
+  (`benchmarks/prompt_attention.py`): from 1,024 tokens in float32 (and in
+  bfloat16 without AVX512-BF16, where the kernel computes in float32); from 128
+  in bfloat16 where oneDNN runs it on AMX tiles (1.5-2x the kernel's speed at
+  256 tokens, 3-4x at 4,096); never in bfloat16 with AVX512-BF16 but no AMX,
+  where the kernel's `vdpbf16ps` path measured ~2x faster than SDPA up to 4,096.
 """
 
 from __future__ import annotations
@@ -33,8 +35,17 @@ from pagedllm.layers.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
-# Whole float32 prompts at least this long run through SDPA in `cpp_attention` (docs/performance.md).
+# Whole prompts at least this long run through SDPA in `cpp_attention` (docs/performance.md):
+# float32 (or bfloat16 computed in float32), and bfloat16 on AMX.
 SDPA_MIN_PROMPT = 1024
+SDPA_MIN_PROMPT_AMX = 128
+
+
+def sdpa_min_prompt(dtype: torch.dtype, kernels) -> int | None:
+    """The prompt length from which `cpp_attention` hands a whole prompt to SDPA, or None for never."""
+    if dtype != torch.bfloat16 or not kernels.native_bf16:
+        return SDPA_MIN_PROMPT
+    return SDPA_MIN_PROMPT_AMX if kernels.amx_bf16 else None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -154,15 +165,15 @@ def torch_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
     """Prefill chunks and decodes both read K/V in place through the block tables (C++ kernels),
-    except whole prompts of at least SDPA_MIN_PROMPT tokens that no window cuts where the kernels
-    compute in float32: torch's SDPA (flash attention, causal) on their gathered K/V."""
+    except whole prompts of at least `sdpa_min_prompt` tokens that no window cuts: torch's SDPA
+    (flash attention, causal) on their gathered K/V."""
     kernels = load_cpu_kernels()
     q = q.contiguous()
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if meta.prefill_indices:
-        native = q.dtype == torch.bfloat16 and kernels.native_bf16  # the kernel beats SDPA at every length
-        whole = [] if native else meta.whole_prompt_prefills(SDPA_MIN_PROMPT, window)
+        min_prompt = sdpa_min_prompt(q.dtype, kernels)
+        whole = [] if min_prompt is None else meta.whole_prompt_prefills(min_prompt, window)
         if whole:  # no window applies to them (it is 0, or longer than the prompt)
             _prefill_sdpa(q, kv_cache, meta, out, 0, whole)
         rest = [i for i in meta.prefill_indices if i not in whole]

@@ -202,7 +202,9 @@ class CpuKernels:
             fn = getattr(library, f"packed_gemm_max_rows_{_SUFFIX[dtype]}")
             fn.restype = ctypes.c_int64
             self.packed_gemm_max_rows[dtype] = fn()
-        if "amx_bf16" in cpu_flags().split():
+        # oneDNN (and so torch's GEMMs and SDPA) runs bfloat16 math on the AMX tile unit here.
+        self.amx_bf16 = "amx_bf16" in cpu_flags().split()
+        if self.amx_bf16:
             # With AMX, oneDNN's bfloat16 GEMMs run on the tile unit: measured 1.05x packed_gemm's
             # speed at 4 rows, 2.2x at 16 and 4-6x at 64-512 (`benchmarks/linear_backends.py`,
             # Sapphire Rapids class), while packed_gemm stays ahead at 1-2 rows.

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.fused_ops import LayerOps
+from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -129,8 +130,8 @@ class Gemma3Model(LlamaModel):
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden, buffers)
         cap = self.config.final_logit_softcapping
         if logits is not None and cap:
             logits = torch.tanh(logits / cap) * cap

@@ -23,7 +23,8 @@ from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import CpuKernels
 from pagedllm.layers.fused_decode import FusedDecode, FusedLayer, fusable
 from pagedllm.layers.fused_ops import LayerOps, TorchOps, rms_norm
-from pagedllm.layers.linear import UNLIMITED_ROWS, Linear
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import (
     PackedWeight,
     QuantizedLinear,
@@ -35,10 +36,6 @@ from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.sharding import ShardLayout
-
-# Rows up to which a quantized LM head runs on the integer kernels: always (the LM head runs on
-# the sampled rows only, and dequantizing Gemma 3's 262,144-row table each step would cost more).
-LM_HEAD_MAX_ROWS = UNLIMITED_ROWS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
@@ -55,6 +52,7 @@ class QuantizedSetup:
 
     kernels: CpuKernels
     max_rows: int
+    lm_head_max_rows: int  # the same for a quantized LM head (pagedllm/layers/quantized.py)
 
     def pack(self, weight: QuantizedWeight) -> PackedWeight:
         return pack(weight, self.kernels.quant_panel_width, self.kernels.quant_unsigned8)
@@ -292,13 +290,12 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.prepare_linears(linear_backend, kernels, quantized)
         if quantized is not None and (self.embed_packed is not None and self.config.tie_word_embeddings):
-            # The tied LM head reads the embedding's quantized table; it runs on the sampled rows
-            # only (one per request), so always on the integer kernels.
-            self.lm_head_linear = quantized.linear([self.embed_packed], max_rows=LM_HEAD_MAX_ROWS)
+            # The tied LM head reads the embedding's quantized table (on the sampled rows only).
+            self.lm_head_linear = quantized.linear([self.embed_packed], max_rows=quantized.lm_head_max_rows)
             return
         if head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
-            self.lm_head_linear = quantized.linear([head], max_rows=LM_HEAD_MAX_ROWS)
+            self.lm_head_linear = quantized.linear([head], max_rows=quantized.lm_head_max_rows)
             return
         # The LM head keeps its weight (tied to the embedding table in SmolLM2).  It runs on the
         # sampled rows only, so in bfloat16 a decode step's rows go to the small-batch kernel too
@@ -391,10 +388,22 @@ class LlamaModel(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(1), 0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:
         """float32 logits [rows, vocab]; under tensor parallelism every rank must call this, and
-        only rank 0 gets the logits (the others get None)."""
-        logits = self.tp.gather_columns(self.lm_head_linear(hidden).float())
+        only rank 0 gets the logits (the others get None).  With `buffers` (on the CPU) the head
+        writes into tensors reused from call to call, so the logits hold until the next call only."""
+        head = self.lm_head_linear
+        if buffers is None or not hidden.is_cpu:
+            y = head(hidden).float()
+        else:
+            rows = hidden.shape[0]
+            if isinstance(head, QuantizedLinear):
+                y = head(hidden, out=buffers.take("lm_head", rows, head.out_features, hidden.dtype))
+            else:
+                y = head(hidden)
+            if y.dtype != torch.float32:
+                y = buffers.take("logits", rows, y.shape[1], torch.float32).copy_(y)
+        logits = self.tp.gather_columns(y)
         if logits is not None and self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         return None if logits is None else logits[:, : self.config.vocab_size]

@@ -138,8 +138,9 @@ void dequantize_chunk(const uint8_t* qs, const float* scales, const float* mins,
 #endif
 
 #if defined(PAGEDLLM_AMX)
-constexpr int64_t kChunkPanels = 4;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
+constexpr int64_t kChunkPanels = 2;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
 constexpr int64_t kRowBlock = 512;   // rows of x multiplied per dequantized chunk (a multiple of 32)
+constexpr int64_t kStepBlocks = 16;  // blocks of k per step of multiply_chunk: 2 panels' B tiles, 32 KB
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -186,29 +187,42 @@ void pack_rows(const bf16* x, int64_t rows, int64_t k, uint16_t* a) {
   }
 }
 
-// y[r][c] for rows r < m (A tiles in a, from pack_rows) and the chunk's columns c < cols, from
-// the B tiles in buf.
+// y[r][c] for rows r < m (A tiles in a, from pack_rows) and the chunk's columns c < cols (at
+// most 32: one or two panels), from the B tiles in buf.  k is walked in steps of kStepBlocks
+// blocks, each step over every 32-row pass: the step's B tiles (32 KB) stay in L1 while the
+// passes' A tiles stream from L2, so each tile load but the first pass's hits L1.  (Walking
+// all of k per pass read both operands from L2, one tile load per `tdpbf16ps`, which the L2
+// cannot feed at the tile unit's rate.)  The 32 x 32 float accumulators of each pass wait in
+// `acc` [rows rounded up to 32][32] between steps.
 void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf, int64_t np, int64_t cols, bf16* y,
-                    int64_t ldy) {
+                    int64_t ldy, float* acc) {
   const int64_t blocks = k / kBlock;
-  alignas(64) float c[32][32];
-  for (int64_t r0 = 0; r0 < m; r0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, m - r0);
-    const uint16_t* upper = a + (r0 / 16) * blocks * kTileElems;
-    const uint16_t* lower_tiles = upper + blocks * kTileElems;
-    const bool lower = rows > 16;  // a last pass of at most 16 rows leaves the lower A tile out
-    for (int64_t pp = 0; pp < np; pp += 2) {
-      const bool two = pp + 1 < np;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t b = 0; b < blocks; ++b) {
+  const bool two = np > 1;
+  constexpr int64_t ldc = 32 * sizeof(float);
+  for (int64_t b0 = 0; b0 < blocks; b0 += kStepBlocks) {
+    const int64_t b1 = std::min(blocks, b0 + kStepBlocks);
+    for (int64_t r0 = 0; r0 < m; r0 += 32) {
+      const uint16_t* upper = a + (r0 / 16) * blocks * kTileElems;
+      const uint16_t* lower_tiles = upper + blocks * kTileElems;
+      const bool lower = m - r0 > 16;  // a last pass of at most 16 rows leaves the lower A tile out
+      float* c = acc + r0 * 32;
+      if (b0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, c, ldc);
+        _tile_loadd(1, c + 16, ldc);
+        _tile_loadd(2, c + 16 * 32, ldc);
+        _tile_loadd(3, c + 16 * 32 + 16, ldc);
+      }
+      for (int64_t b = b0; b < b1; ++b) {
         _tile_loadd(4, upper + b * kTileElems, 64);
-        _tile_loadd(6, buf + (b * np + pp) * kTileElems, 64);
+        _tile_loadd(6, buf + (b * np) * kTileElems, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (two) {
-          _tile_loadd(7, buf + (b * np + pp + 1) * kTileElems, 64);
+          _tile_loadd(7, buf + (b * np + 1) * kTileElems, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
         if (lower) {
@@ -217,17 +231,16 @@ void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf
           if (two) _tile_dpbf16ps(3, 5, 7);
         }
       }
-      _tile_stored(0, &c[0][0], 128);
-      _tile_stored(1, &c[0][16], 128);
-      _tile_stored(2, &c[16][0], 128);
-      _tile_stored(3, &c[16][16], 128);
-      const int64_t width = std::min<int64_t>(two ? 32 : 16, cols - pp * kPanel);
-      const __mmask32 mask = width >= 32 ? ~__mmask32{0} : (__mmask32{1} << width) - 1;
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(&c[r][16]), _mm512_load_ps(&c[r][0]));
-        _mm512_mask_storeu_epi16(y + (r0 + r) * ldy + pp * kPanel, mask, out);
-      }
+      _tile_stored(0, c, ldc);
+      _tile_stored(1, c + 16, ldc);
+      _tile_stored(2, c + 16 * 32, ldc);
+      _tile_stored(3, c + 16 * 32 + 16, ldc);
     }
+  }
+  const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(acc + r * 32 + 16), _mm512_loadu_ps(acc + r * 32));
+    _mm512_mask_storeu_epi16(y + r * ldy, mask, out);
   }
 }
 
@@ -244,8 +257,11 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
   {
     configure_tiles();
     static thread_local std::vector<uint16_t> buf;
+    static thread_local std::vector<float> acc;
     const size_t need = static_cast<size_t>(k / kBlock * kChunkPanels * kTileElems);
     if (buf.size() < need) buf.resize(need);
+    const size_t acc_need = static_cast<size_t>((std::min(m, kRowBlock) + 31) / 32 * 32 * 32);
+    if (acc.size() < acc_need) acc.resize(acc_need);
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const int64_t r0 = rb * kRowBlock, rows = std::min(kRowBlock, m - r0);
       pack_rows(x + r0 * k, rows, k, a.data());  // ends in the omp for's barrier
@@ -254,7 +270,7 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
         const int64_t p0 = chunk * kChunkPanels, np = std::min(kChunkPanels, panels - p0);
         dequantize_chunk<Bits, Group>(qs, scales, mins, zero, k, p0, np, buf.data());
         multiply_chunk(a.data(), rows, k, buf.data(), np, std::min(np * kPanel, n - p0 * kPanel),
-                       y + r0 * ldy + p0 * kPanel, ldy);
+                       y + r0 * ldy + p0 * kPanel, ldy, acc.data());
       }
     }
     _tile_release();
