@@ -5,7 +5,7 @@
 // kChunkPanels panels of the weight (the panel layout of quant_gemm.cpp), dequantizes them into a
 // buffer laid out as AMX B tiles (per block of 32 k values, 16 rows of 16 columns x 2 consecutive
 // k values), and multiplies the rows of x against it with `tdpbf16ps`, 32 rows x 32 columns per
-// pass, float32 accumulation.  The dequantized chunk (64 columns x k) stays in the thread's
+// pass, float32 accumulation.  The dequantized chunk (32 columns x k) stays in the thread's
 // cache: the step reads the quantized bytes and writes no dense copy of the weight.
 //
 // `dequantize_blocked` (more rows, AVX512-BF16): the whole weight dequantized into the blocked
