@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.cpu_kernels import ATTENTION_HEAD_DIMS, load_cpu_kernels
+from pagedllm.layers.cpu_kernels import ATTENTION_HEAD_DIMS, CpuKernels, load_cpu_kernels
 
 logger = logging.getLogger("pagedllm")
 
@@ -41,7 +41,7 @@ SDPA_MIN_PROMPT = 1024
 SDPA_MIN_PROMPT_AMX = 128
 
 
-def sdpa_min_prompt(dtype: torch.dtype, kernels) -> int | None:
+def sdpa_min_prompt(dtype: torch.dtype, kernels: CpuKernels) -> int | None:
     """The prompt length from which `cpp_attention` hands a whole prompt to SDPA, or None for never."""
     if dtype != torch.bfloat16 or not kernels.native_bf16:
         return SDPA_MIN_PROMPT
