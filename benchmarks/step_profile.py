@@ -140,10 +140,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output", default="bench-results/step-profile.json")
+    parser.add_argument("--weights", default="auto", help="auto | native | dequantized (see `pagedllm serve --help`)")
     parser.add_argument("--no-fused", action="store_true", help="run the Python layer loop, attention timed apart")
     args = parser.parse_args()
     engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB", max_num_seqs=max(args.batch))
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            weights=args.weights,
+            kv_cache_memory="4GiB",
+            max_num_seqs=max(args.batch),
+        )
     )
     if args.no_fused:
         engine.runner.model.fused_decode = None

@@ -166,6 +166,39 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
         torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
 
 
+def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch, tmp_path):
+    """Where the CPU has AMX-BF16, the bfloat16 prefill kernel runs on the tile unit; built for
+    `cooperlake` (AVX512-BF16, no AMX) the same kernel takes its `vdpbf16ps` path.  Both agree with
+    the reference and with each other, over head dims 64/128/256, windows, grouped heads, block
+    sizes that split tiles, and prompts whose rows and keys end mid tile."""
+    import ctypes
+
+    import pagedllm.layers.attention as attention_module
+    from pagedllm.layers.cpu_kernels import CpuKernels, build_library, cpu_flags, load_cpu_kernels
+
+    native = load_cpu_kernels()
+    if native is None or not native.amx_tiles or "avx512_bf16" not in cpu_flags().split():
+        pytest.skip("no AMX-BF16 here: the tile path is not built")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    no_amx = CpuKernels(ctypes.CDLL(str(build_library("cooperlake"))))
+    assert no_amx.native_bf16 and not no_amx.amx_tiles
+    shapes = [(0, 1), (0, 7), (0, 33), (5, 12), (40, 70), (0, 200), (130, 1), (17, 95)]
+    for seed, (head_dim, window, block_size, kv_heads, group) in enumerate(
+        ((64, 0, 16, 3, 3), (64, 24, 8, 1, 8), (128, 0, 32, 2, 1), (256, 0, 16, 1, 4), (256, 50, 16, 1, 4))
+    ):
+        q, cache, meta, _ = make_batch(seed, block_size, kv_heads, group, head_dim, shapes, dtype=torch.bfloat16)
+        expected = reference_attention(q, cache, meta, window).float()
+        outputs = []
+        for kernels in (native, no_amx):
+            # every prompt through the C++ kernel (none to SDPA), so the two builds' kernels meet
+            monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda k=kernels: k)
+            monkeypatch.setattr(attention_module, "sdpa_min_prompt", lambda dtype, k, head_dim: None)
+            outputs.append(cpp_attention(q, cache, meta, window).float())
+        for out in outputs:
+            torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
+
+
 WINDOWED = [(0, 1), (5, 1), (0, 37), (33, 1), (16, 16), (40, 9), (0, 64), (127, 1), (70, 30), (64, 1), (200, 3)]
 
 
@@ -221,7 +254,7 @@ def test_cpp_attention_is_chosen_for_every_supported_head_dim(caplog):
     assert "pure-torch path" in caplog.text
 
 
-@pytest.mark.parametrize("window", [0, 40, 2000])
+@pytest.mark.parametrize("window", [0, 40, "longer than the prompts"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypatch):
     """`cpp_attention` sends whole prompts of at least `sdpa_min_prompt` tokens that no window cuts
@@ -234,28 +267,34 @@ def test_whole_prompts_through_sdpa_match_the_reference(window, dtype, monkeypat
     taken: list[list[int]] = []
     sdpa = attention_module._prefill_sdpa
     monkeypatch.setattr(attention_module, "_prefill_sdpa", lambda *a, **k: taken.append(list(a[5])) or sdpa(*a, **k))
-    shapes = [(0, 1100), (0, 30), (50, 40), (70, 1), (0, 1025), (300, 1)]
-    assert attention_module.SDPA_MIN_PROMPT <= 1025
+    min_prompt = attention_module.sdpa_min_prompt(dtype, attention_module.load_cpu_kernels(), 64)
+    assert min_prompt is None or 30 < min_prompt
+    long = 1024 if min_prompt is None else min_prompt  # one prompt just at the threshold, one over it
+    shapes = [(0, long + 76), (0, 30), (50, 40), (70, 1), (0, long), (300, 1)]
+    if isinstance(window, str):
+        window = long + 100
     q, cache, meta, _ = make_batch(11, 16, 3, 3, 64, shapes, dtype=dtype)
     expected = reference_attention(q, cache, meta, window).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
-    min_prompt = attention_module.sdpa_min_prompt(dtype, attention_module.load_cpu_kernels())
-    assert min_prompt is None or 30 < min_prompt <= 1025
     assert taken == ([] if window == 40 or min_prompt is None else [[0, 4]])
 
 
 def test_sdpa_min_prompt_per_dtype_and_cpu():
     """float32 (or bfloat16 computed in float32) hands long prompts to SDPA; bfloat16 with
-    AVX512-BF16 keeps them in the C++ kernel unless oneDNN has AMX tiles, then from 128 tokens."""
+    AVX512-BF16 keeps them in the C++ kernel, unless the CPU has AMX: then from 128 tokens where the
+    kernel has no tiles (oneDNN's SDPA has), and where it has them from 4,096 (head dim 64) or
+    2,048 (larger heads)."""
     from types import SimpleNamespace
 
-    from pagedllm.layers.attention import SDPA_MIN_PROMPT, SDPA_MIN_PROMPT_AMX, sdpa_min_prompt
+    from pagedllm.layers import attention as a
 
-    def cpu(native: bool, amx: bool) -> SimpleNamespace:
-        return SimpleNamespace(native_bf16=native, amx_bf16=amx)
+    def cpu(native: bool, amx: bool, tiles: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(native_bf16=native, amx_bf16=amx, amx_tiles=tiles)
 
-    assert sdpa_min_prompt(torch.float32, cpu(True, True)) == SDPA_MIN_PROMPT
-    assert sdpa_min_prompt(torch.bfloat16, cpu(False, False)) == SDPA_MIN_PROMPT
-    assert sdpa_min_prompt(torch.bfloat16, cpu(True, False)) is None
-    assert sdpa_min_prompt(torch.bfloat16, cpu(True, True)) == SDPA_MIN_PROMPT_AMX == 128
+    assert a.sdpa_min_prompt(torch.float32, cpu(True, True, True), 64) == a.SDPA_MIN_PROMPT
+    assert a.sdpa_min_prompt(torch.bfloat16, cpu(False, False), 64) == a.SDPA_MIN_PROMPT
+    assert a.sdpa_min_prompt(torch.bfloat16, cpu(True, False), 64) is None
+    assert a.sdpa_min_prompt(torch.bfloat16, cpu(True, True), 256) == a.SDPA_MIN_PROMPT_AMX == 128
+    assert a.sdpa_min_prompt(torch.bfloat16, cpu(True, True, True), 64) == 4096
+    assert a.sdpa_min_prompt(torch.bfloat16, cpu(True, True, True), 256) == 2048

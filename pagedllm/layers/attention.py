@@ -16,10 +16,11 @@ Implementations share one signature (q, kv_cache, metadata) -> output:
   least `sdpa_min_prompt` tokens long goes to SDPA instead, where torch's flash
   attention measured faster than the C++ prefill kernel
   (`benchmarks/prompt_attention.py`): from 1,024 tokens in float32 (and in
-  bfloat16 without AVX512-BF16, where the kernel computes in float32); from 128
-  in bfloat16 where oneDNN runs it on AMX tiles (1.5-2x the kernel's speed at
-  256 tokens, 3-4x at 4,096); never in bfloat16 with AVX512-BF16 but no AMX,
-  where the kernel's `vdpbf16ps` path measured ~2x faster than SDPA up to 4,096.
+  bfloat16 without AVX512-BF16, where the kernel computes in float32).  In
+  bfloat16 with AMX the kernel runs its products on the tile unit and keeps
+  prompts up to 2,048 or 4,096 tokens (by head dim; 1.8-2.3x SDPA's speed up to
+  512 tokens); on AVX512-BF16 without AMX its `vdpbf16ps` path keeps every
+  prompt (~2x SDPA up to 4,096).
 """
 
 from __future__ import annotations
@@ -36,15 +37,22 @@ from pagedllm.layers.cpu_kernels import ATTENTION_HEAD_DIMS, CpuKernels, load_cp
 logger = logging.getLogger("pagedllm")
 
 # Whole prompts at least this long run through SDPA in `cpp_attention` (docs/performance.md):
-# float32 (or bfloat16 computed in float32), and bfloat16 on AMX.
+# float32 (or bfloat16 computed in float32); bfloat16 where the CPU has AMX but the kernel was not
+# built with its tiles; and bfloat16 with the kernel on AMX tiles, by head dim (SDPA's flash
+# attention keeps O(tokens) memory where the kernel holds a tile's whole score matrix, so it wins
+# on long prompts: from 4,096 tokens at head dim 64, from 2,048 at 256).
 SDPA_MIN_PROMPT = 1024
 SDPA_MIN_PROMPT_AMX = 128
+SDPA_MIN_PROMPT_AMX_KERNEL_SMALL_HEADS = 4096  # head_dim 64
+SDPA_MIN_PROMPT_AMX_KERNEL = 2048  # larger heads
 
 
-def sdpa_min_prompt(dtype: torch.dtype, kernels: CpuKernels) -> int | None:
+def sdpa_min_prompt(dtype: torch.dtype, kernels: CpuKernels, head_dim: int) -> int | None:
     """The prompt length from which `cpp_attention` hands a whole prompt to SDPA, or None for never."""
     if dtype != torch.bfloat16 or not kernels.native_bf16:
         return SDPA_MIN_PROMPT
+    if kernels.amx_tiles:
+        return SDPA_MIN_PROMPT_AMX_KERNEL_SMALL_HEADS if head_dim <= 64 else SDPA_MIN_PROMPT_AMX_KERNEL
     return SDPA_MIN_PROMPT_AMX if kernels.amx_bf16 else None
 
 
@@ -172,7 +180,7 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if meta.prefill_indices:
-        min_prompt = sdpa_min_prompt(q.dtype, kernels)
+        min_prompt = sdpa_min_prompt(q.dtype, kernels, q.shape[-1])
         whole = [] if min_prompt is None else meta.whole_prompt_prefills(min_prompt, window)
         if whole:  # no window applies to them (it is 0, or longer than the prompt)
             _prefill_sdpa(q, kv_cache, meta, out, 0, whole)

@@ -46,7 +46,7 @@ _SOURCES = (
     "quant_gemm.cpp",
     "quant_amx.cpp",
 )
-_HEADERS = ("common.h", "avx512.h", "quant_layout.h")
+_HEADERS = ("common.h", "avx512.h", "amx.h", "quant_layout.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC vectorizes plain loops with 256-bit registers even where AVX-512 is there; 512 made
@@ -217,6 +217,9 @@ class CpuKernels:
         # Built with AMX-BF16 and allowed the tiles by the OS: many-row steps on quantized weights
         # take csrc/quant_amx.cpp.
         self.quant_amx = bool(library.quant_amx_available())
+        # Built with AMX-BF16 and allowed the tiles (csrc/amx.h): bfloat16 prefill attention runs
+        # on them too (csrc/paged_attention.cpp); the same condition as `quant_amx`.
+        self.amx_tiles = self.quant_amx
         # Built with AVX512-BF16: quantized weights can be dequantized into oneDNN's blocked layout.
         self.dequantize_blocked_bf16 = bool(library.dequantize_blocked_available())
         self._workspace = library.decode_layers_workspace

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "avx512.h"
 #include "common.h"
 
@@ -338,15 +339,15 @@ inline float span_max(const float* s, int64_t lo, int64_t hi) {
 #endif
 }
 
-// s[lo, hi) = exp(s[i] - mx) in place; returns their sum.  With AVX-512, masked 16-lane
-// steps, the last one partial.
-inline float exp_span(float* s, int64_t lo, int64_t hi, float mx) {
+// s[lo, hi) = exp((s[i] - mx) * scale) in place; returns their sum.  With AVX-512, masked
+// 16-lane steps, the last one partial.
+inline float exp_span(float* s, int64_t lo, int64_t hi, float mx, float scale = 1.f) {
 #if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx);
+  const __m512 m = _mm512_set1_ps(mx), scale_v = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = lo; i < hi; i += 16) {
     const __mmask16 keep = hi - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (hi - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + i), m));
+    const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + i), m), scale_v));
     _mm512_mask_storeu_ps(s + i, keep, e);
     sum = _mm512_mask_add_ps(sum, keep, sum, e);
   }
@@ -355,7 +356,7 @@ inline float exp_span(float* s, int64_t lo, int64_t hi, float mx) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = lo; i < hi; ++i) {
-    s[i] = fast_exp(s[i] - mx);
+    s[i] = fast_exp((s[i] - mx) * scale);
     sum += s[i];
   }
   return sum;
@@ -517,16 +518,16 @@ struct PrefillRows {
   }
 };
 
-// In place: each row of S [padded][width] becomes its softmax over the keys it sees (0
-// elsewhere), and inv_sum the reciprocal of its sum.
-inline void softmax_item(const PrefillRows& p, float* S, float* inv_sum) {
+// In place: each row of S [padded][width] (scores before `scale`, a positive factor) becomes its
+// softmax over the keys it sees (0 elsewhere), and inv_sum the reciprocal of its sum.
+inline void softmax_item(const PrefillRows& p, float* S, float* inv_sum, float scale = 1.f) {
   for (int64_t r = 0; r < p.padded; ++r) {
     float* s = S + r * p.width;
     const int64_t pos = p.first_pos + r / p.group;  // this row's position
     const int64_t hi = r < p.rows ? pos + 1 - p.k_lo : 0;
     const int64_t lo = r < p.rows && p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - p.k_lo) : 0;
     const float mx = span_max(s, lo, hi);
-    const float sum = exp_span(s, lo, hi, mx);
+    const float sum = exp_span(s, lo, hi, mx, scale);
     std::fill(s, s + lo, 0.f);
     std::fill(s + std::max(hi, lo), s + p.width, 0.f);
     inv_sum[r] = hi > lo ? 1.f / sum : 0.f;
@@ -611,6 +612,40 @@ inline void transpose16x16(const uint32_t* const* rows, uint32_t* out) {
   }
 }
 
+// The item's V rows as [width / 2 pairs][D][2]: two keys' rows interleaved by 16-bit permutes,
+// 32 dims at a time; keys past num_keys are zero.
+template <int64_t D>
+void gather_value_pairs(const PrefillRows& p, const bf16* v_cache, const int64_t* table, int64_t block_size,
+                        int64_t kv_heads, int64_t h, bf16* values) {
+  const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                       0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                       0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);  // x[d], y[d], d < 16
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                        // d 16 .. 31
+  auto v_row = [&](int64_t i) -> const bf16* {
+    return i < p.num_keys ? head_row<D>(v_cache, table, p.k_lo + i, block_size, kv_heads, h) : nullptr;
+  };
+  for (int64_t i = 0; i < p.width; i += 2) {
+    const bf16* x = v_row(i);
+    const bf16* y = v_row(i + 1);
+    bf16* dst = values + (i / 2) * D * 2;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i xv = x ? _mm512_loadu_si512(x + d) : _mm512_setzero_si512();
+      const __m512i yv = y ? _mm512_loadu_si512(y + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(xv, lo, yv));
+      _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(xv, hi, yv));
+    }
+  }
+}
+
+// P rounded to bfloat16 in place: row r's width values fill the first half of its bytes (each 16
+// are read before the 8 floats they overwrite, which were read before them).
+inline void narrow_weights(const PrefillRows& p, float* S) {
+  for (int64_t r = 0; r < p.padded; ++r) {
+    bf16* narrow_row = reinterpret_cast<bf16*>(S + r * p.width);
+    for (int64_t i = 0; i < p.width; i += 16) store_bf16x16(narrow_row + i, _mm512_loadu_ps(S + r * p.width + i));
+  }
+}
+
 // bfloat16 with AVX512-BF16: both products through `vdpbf16ps`, two elements per float32
 // lane.  Scores: each K tile stored as [D / 2][16 keys] pairs of dims, each row's query
 // pair broadcast (Qb: [padded][D] bfloat16, unscaled; the scale is applied to the sums).
@@ -651,32 +686,8 @@ struct BF16Prefill {
 
   static void values(const PrefillRows& p, float* S, const bf16* v_cache, const int64_t* table,
                      int64_t block_size, int64_t kv_heads, int64_t h, float* acc, bf16* values) {
-    // V as [pairs][D][2]: two keys' rows interleaved by 16-bit permutes, 32 dims at a time;
-    // keys past num_keys are zero.
-    const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
-                                         0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                         0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);  // x[d], y[d], d < 16
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                        // d 16 .. 31
-    auto v_row = [&](int64_t i) -> const bf16* {
-      return i < p.num_keys ? head_row<D>(v_cache, table, p.k_lo + i, block_size, kv_heads, h) : nullptr;
-    };
-    for (int64_t i = 0; i < p.width; i += 2) {
-      const bf16* x = v_row(i);
-      const bf16* y = v_row(i + 1);
-      bf16* dst = values + (i / 2) * D * 2;
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i xv = x ? _mm512_loadu_si512(x + d) : _mm512_setzero_si512();
-        const __m512i yv = y ? _mm512_loadu_si512(y + d) : _mm512_setzero_si512();
-        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(xv, lo, yv));
-        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(xv, hi, yv));
-      }
-    }
-    // P rounded to bfloat16 in place: row r's width values fill the first half of its bytes
-    // (each 16 are read before the 8 floats they overwrite, which were read before them).
-    for (int64_t r = 0; r < p.padded; ++r) {
-      bf16* narrow_row = reinterpret_cast<bf16*>(S + r * p.width);
-      for (int64_t i = 0; i < p.width; i += 16) store_bf16x16(narrow_row + i, _mm512_loadu_ps(S + r * p.width + i));
-    }
+    gather_value_pairs<D>(p, v_cache, table, block_size, kv_heads, h, values);
+    narrow_weights(p, S);
     const uint32_t* W = reinterpret_cast<const uint32_t*>(S);  // row r's key pairs from W + r * width
     for (int64_t r0 = 0; r0 < p.padded; r0 += kRowBlock) {
       const int64_t key_pairs = (std::min(p.block_keys(r0), p.num_keys) + 1) / 2;
@@ -695,25 +706,124 @@ struct BF16Prefill {
 };
 #endif
 
+#if defined(PAGEDLLM_AMX)
+// bfloat16 on AMX tiles: the same three passes as BF16Prefill, each product a `tdpbf16ps` over
+// blocks of 16 rows.  The K tiles transposed to pairs of dims ([D / 2][16 keys]) are the B tiles of
+// Q K^T as they stand, and V's pairs of keys ([pairs][D][2]) those of P V; Q's rows and P's (in
+// bfloat16, written over the first half of each float32 row) are A tiles read in place.  Keys
+// run to `width`, a multiple of 32 (one A tile of P); columns past a row's visible keys are
+// computed or left as they are, then zeroed by the softmax.  Tiles (configure_tiles): 0-3 C,
+// 4 A, 5-7 B.
+constexpr int64_t kAmxRows = 16;
+
+template <int64_t D>
+struct AmxPrefill {
+  // Keys the rows r0 .. r0 + 15 see: up to the last real row's position.
+  static int64_t block_keys(const PrefillRows& p, int64_t r0) {
+    return p.first_pos + std::min(r0 + kAmxRows - 1, p.rows - 1) / p.group + 1 - p.k_lo;
+  }
+
+  // S [padded][width] = Q K^T (unscaled) for the keys each block of 16 rows sees, 32 keys at a
+  // time; Kt receives every key tile's pairs first ([tiles][D / 2][16]).
+  static void scores(const PrefillRows& p, const bf16* Qb, const bf16* k_cache, const int64_t* table,
+                     int64_t block_size, int64_t kv_heads, int64_t h, float* S, uint32_t* Kt) {
+    for (int64_t k0 = 0; k0 < p.num_keys; k0 += kKeyTile) {
+      const int64_t nk = std::min(kKeyTile, p.num_keys - k0);
+      const uint32_t* keys[kKeyTile];
+      for (int64_t i = 0; i < kKeyTile; ++i) {  // a short tile repeats its last key
+        const int64_t pos = p.k_lo + k0 + std::min(i, nk - 1);
+        keys[i] = reinterpret_cast<const uint32_t*>(head_row<D>(k_cache, table, pos, block_size, kv_heads, h));
+      }
+      uint32_t* tile = Kt + k0 * (D / 2);
+      for (int64_t j0 = 0; j0 < D / 2; j0 += 16) {
+        const uint32_t* part[kKeyTile];
+        for (int64_t i = 0; i < kKeyTile; ++i) part[i] = keys[i] + j0;
+        transpose16x16(part, tile + j0 * kKeyTile);
+      }
+    }
+    const int64_t lds = p.width * static_cast<int64_t>(sizeof(float));
+    for (int64_t r0 = 0; r0 < p.padded; r0 += kAmxRows) {
+      const int64_t keys = std::min(block_keys(p, r0), p.num_keys);
+      const bf16* a = Qb + r0 * D;
+      for (int64_t k0 = 0; k0 < keys; k0 += 2 * kKeyTile) {
+        const bool two = k0 + kKeyTile < keys;
+        const uint32_t* b0 = Kt + k0 * (D / 2);
+        const uint32_t* b1 = b0 + kKeyTile * (D / 2);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < D / 32; ++c) {
+          _tile_loadd(4, a + 32 * c, D * 2);
+          _tile_loadd(5, b0 + c * 16 * kKeyTile, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (two) {
+            _tile_loadd(6, b1 + c * 16 * kKeyTile, 64);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+        }
+        _tile_stored(0, S + r0 * p.width + k0, lds);
+        if (two) _tile_stored(1, S + r0 * p.width + k0 + kKeyTile, lds);
+      }
+    }
+  }
+
+  // acc [padded][D] = P V, P being S's softmax; 64 dims (four C tiles) at a time.
+  static void values(const PrefillRows& p, float* S, const bf16* v_cache, const int64_t* table, int64_t block_size,
+                     int64_t kv_heads, int64_t h, float* acc, bf16* values) {
+    gather_value_pairs<D>(p, v_cache, table, block_size, kv_heads, h, values);
+    narrow_weights(p, S);
+    const int64_t lds = p.width * static_cast<int64_t>(sizeof(float)), ldv = D * 2 * 2;
+    for (int64_t r0 = 0; r0 < p.padded; r0 += kAmxRows) {
+      const int64_t keys = std::min(block_keys(p, r0), p.num_keys);
+      const bf16* a = reinterpret_cast<const bf16*>(S + r0 * p.width);
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < keys; k0 += 32) {
+          const bf16* b = values + ((k0 / 2) * D + d0) * 2;
+          _tile_loadd(4, a + k0, lds);
+          _tile_loadd(5, b, ldv);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, b + 32, ldv);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, b + 64, ldv);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, b + 96, ldv);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        float* c = acc + r0 * D + d0;
+        _tile_stored(0, c, D * 4);
+        _tile_stored(1, c + 16, D * 4);
+        _tile_stored(2, c + 32, D * 4);
+        _tile_stored(3, c + 48, D * 4);
+      }
+    }
+  }
+};
+#endif
+
 template <int64_t D, typename T>
 void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
                   int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
-                  int64_t group, int64_t h, float scale, std::vector<float>& buf) {
+                  int64_t group, int64_t h, float scale, bool amx, std::vector<float>& buf) {
   const int64_t heads = kv_heads * group, rows = num_tokens * group;
-  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // Rows padded to whole row blocks, keys to whole key tiles (AMX: 16 rows, 32 keys).
+  const int64_t row_block = amx ? 16 : kRowBlock, key_multiple = amx ? 32 : kKeyTile;
+  const int64_t padded = (rows + row_block - 1) / row_block * row_block;
   // Keys k_lo .. first_pos + num_tokens - 1: the first row's window starts at k_lo and the
   // last token sees every key before it.
   const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int64_t num_keys = first_pos + num_tokens - k_lo;
-  const int64_t width = (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int64_t width = (num_keys + key_multiple - 1) / key_multiple * key_multiple;
   const PrefillRows p{rows, padded, group, first_pos, k_lo, num_keys, width, window};
-  buf.resize(padded * (2 * D + 1 + width) + D * kKeyTile + width * D);
+  buf.resize(padded * (2 * D + 1 + width) + D * std::max(kKeyTile, width / 2) + width * D);
   float* Q = buf.data();              // [padded][D]; padding rows are zero
   float* acc = Q + padded * D;        // [padded][D]
   float* inv_sum = acc + padded * D;  // [padded]
   float* S = inv_sum + padded;        // [padded][width] scores, then probabilities
-  float* tile = S + padded * width;   // a K tile
-  float* values = tile + D * kKeyTile;  // the item's V rows
+  float* tile = S + padded * width;   // a K tile (AMX: every key tile, as bfloat16 pairs)
+  float* values = tile + D * std::max(kKeyTile, width / 2);  // the item's V rows
   auto query = [&](int64_t t, int64_t g) { return q + (row0 + t) * heads * D + (h * group + g) * D; };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
@@ -722,10 +832,19 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     std::fill(Qb, Qb + padded * D, bf16{0});
     for (int64_t t = 0; t < num_tokens; ++t)
       for (int64_t g = 0; g < group; ++g) std::copy_n(query(t, g), D, Qb + (t * group + g) * D);
-    BF16Prefill<D>::scores(p, Qb, k_cache, table, block_size, kv_heads, h, scale, S,
+#if defined(PAGEDLLM_AMX)
+    if (amx) {
+      AmxPrefill<D>::scores(p, Qb, k_cache, table, block_size, kv_heads, h, S, reinterpret_cast<uint32_t*>(tile));
+      softmax_item(p, S, inv_sum, scale);
+      AmxPrefill<D>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, reinterpret_cast<bf16*>(values));
+    } else
+#endif
+    {
+      BF16Prefill<D>::scores(p, Qb, k_cache, table, block_size, kv_heads, h, scale, S,
                            reinterpret_cast<uint32_t*>(tile));
-    softmax_item(p, S, inv_sum);
-    BF16Prefill<D>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, reinterpret_cast<bf16*>(values));
+      softmax_item(p, S, inv_sum);
+      BF16Prefill<D>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, reinterpret_cast<bf16*>(values));
+    }
   } else
 #endif
   {
@@ -761,8 +880,16 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
       for (int64_t h = 0; h < kv_heads; ++h)
         items.push_back({b, h, t, std::min(tokens_per_item, query_lens[b] - t)});
   const int64_t num_items = static_cast<int64_t>(items.size());
+#if defined(PAGEDLLM_AMX)
+  const bool amx = std::is_same_v<T, bf16> && amx_granted();
+#else
+  const bool amx = false;
+#endif
 #pragma omp parallel
   {
+#if defined(PAGEDLLM_AMX)
+    if (amx) configure_tiles();
+#endif
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = num_items - 1; i >= 0; --i) {  // the last tiles see the most keys: start them first
@@ -770,8 +897,11 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
       const int64_t b = it.request;
       const int64_t first_pos = seq_lens[b] - query_lens[b] + it.first_token;
       prefill_item<D>(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
-                   first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, buf);
+                   first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, amx, buf);
     }
+#if defined(PAGEDLLM_AMX)
+    if (amx) _tile_release();
+#endif
   }
 }
 

@@ -17,21 +17,17 @@
 // AVX512-BF16 (and AMX-BF16 for the tiles, -march=native on such a CPU); elsewhere the
 // `*_available()` functions return 0 and callers take the other paths.
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 #include "quant_layout.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGEDLLM_BF16_PAIRS 1
 #include <immintrin.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PAGEDLLM_AMX 1
-#endif
 #endif
 
 namespace pagedllm {
@@ -141,31 +137,6 @@ void dequantize_chunk(const uint8_t* qs, const float* scales, const float* mins,
 constexpr int64_t kChunkPanels = 2;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
 constexpr int64_t kRowBlock = 512;   // rows of x multiplied per dequantized chunk (a multiple of 32)
 constexpr int64_t kStepBlocks = 16;  // blocks of k per step of multiply_chunk: 2 panels' B tiles, 32 KB
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); asking again is harmless.
-bool amx_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// Tiles 0-3: C (16 rows x 16 float32); 4-5: A (16 rows x 32 bfloat16); 6-7: B (16 pairs x 16 x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // Rows r0..r0 + rows of x [.., k] as A tiles: a [rows / 16 rounded up][k / 32][16 x 32], each tile's
 // 1 KB contiguous, rows past the end zero.
