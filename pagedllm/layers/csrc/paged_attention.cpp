@@ -463,7 +463,10 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
 // whenever group divides it (padding rows are zero and cost only their FMAs).
 // S and the V rows live in a per-thread buffer (rows x keys + keys x 64 floats);
 // measured faster here than an online softmax, whose per-tile rescaling cost as
-// much as the two matmuls.
+// much as the two matmuls.  In bfloat16 where the build has AMX-BF16 and the OS grants
+// the tiles (amx.h), both products run on the tile unit instead (AmxPrefill, 16 rows
+// a block): 1.8-2.3x torch's SDPA on whole prompts of 16-512 tokens, whose flash
+// attention runs on the tiles too (benchmarks/prompt_attention.py, 2-core Xeon).
 #ifndef PAGEDLLM_KEY_TILE
 #define PAGEDLLM_KEY_TILE 16
 #endif
