@@ -128,7 +128,8 @@ def test_graph_inputs_with_layer_groups_split_the_interleaved_table():
 
 def test_cpu_class_hides_newer_flags_and_picks_the_dtype(monkeypatch):
     """PAGEDLLM_CPU_CLASS makes pagedllm choose as on an older CPU: AVX2 hides every AVX-512 and
-    AMX flag (so `auto` is float32), avx512 hides bfloat16 and AMX; an unknown class is refused."""
+    AMX flag (so `auto` is float32), avx512 hides bfloat16 and AMX; an unknown class is refused,
+    and so is a class this CPU lacks the instructions of (its kernels could not run here)."""
     import pytest
 
     from pagedllm.layers.cpu_kernels import cpu_flags
@@ -137,9 +138,14 @@ def test_cpu_class_hides_newer_flags_and_picks_the_dtype(monkeypatch):
     flags = set(cpu_flags().split())
     assert not {f for f in flags if f.startswith(("avx512", "amx"))}
     assert resolve_dtype("auto") == torch.float32
+    has_avx512 = "avx512f" in flags or "avx512f" in open("/proc/cpuinfo").read()
     monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "avx512")
-    assert not {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
-    assert resolve_dtype("auto") == torch.float32
+    if has_avx512:
+        assert not {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
+        assert resolve_dtype("auto") == torch.float32
+    else:
+        with pytest.raises(ValueError, match="lacks avx512f"):
+            cpu_flags()
     monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "sse2")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_CLASS"):
         cpu_flags()

@@ -95,10 +95,34 @@ AMX_BF16_PACKED_MAX_ROWS = 2  # bfloat16 rows packed_gemm takes where oneDNN has
 CPU_CLASSES = {"native": "native", "avx512": "skylake-avx512", "avx2": "haswell"}
 
 
+# The flags a class's build (-march) uses: a class can only be taken on a CPU that has them, or
+# its kernels would stop the process with an illegal instruction.
+_CLASS_NEEDS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
+    "avx2": ("avx2", "fma", "bmi2"),
+}
+
+
+@functools.cache
+def _proc_cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split()[1:])
+
+
 def cpu_class() -> str:
     name = os.environ.get("PAGEDLLM_CPU_CLASS", "native")
     if name not in CPU_CLASSES:
         raise ValueError(f"PAGEDLLM_CPU_CLASS must be one of {', '.join(CPU_CLASSES)}, got {name!r}")
+    missing = [flag for flag in _CLASS_NEEDS.get(name, ()) if flag not in _proc_cpu_flags()]
+    if missing:
+        raise ValueError(
+            f"PAGEDLLM_CPU_CLASS={name} runs only on a CPU that has that class's instructions; "
+            f"this one lacks {' '.join(missing)}"
+        )
     return name
 
 
@@ -112,13 +136,8 @@ def _hidden_by_class(flag: str, name: str) -> bool:
 
 def cpu_flags() -> str:
     """This CPU's flags as /proc/cpuinfo lists them, less those PAGEDLLM_CPU_CLASS hides."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
     name = cpu_class()
-    return " ".join(flag for flag in line.split() if not _hidden_by_class(flag, name))
+    return " ".join(sorted(flag for flag in _proc_cpu_flags() if not _hidden_by_class(flag, name)))
 
 
 def cpu_summary() -> str:
