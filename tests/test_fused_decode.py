@@ -181,10 +181,16 @@ def test_smollm2_decodes_the_same_through_the_fused_step(make_llm, monkeypatch):
     model = llm.engine.runner.model
     if model.fused_decode is None:
         pytest.skip("no packed_gemm for float32 in this build")
-    rows = count_fused_steps(model, monkeypatch)
+    assert_real_model_decodes_the_same(llm, monkeypatch)
+
+
+def assert_real_model_decodes_the_same(llm: LLM, monkeypatch) -> None:
+    """Three real prompts greedy with logprobs: the same tokens and logprobs through the layer
+    loop and through the fused step (which must run)."""
+    rows = count_fused_steps(llm.engine.runner.model, monkeypatch)
     tokenizer = llm.engine.tokenizer
     prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon")]
-    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2))
+    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2))
     assert rows
     assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
     assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
@@ -250,11 +256,4 @@ def test_bundled_gemma3_decodes_the_same_through_the_fused_step(monkeypatch):
     llm = LLM("gemma3-270m", kv_cache_memory="256MiB", enable_prefix_caching=False, weights="native")
     model = llm.engine.runner.model
     assert model.fused_decode is not None
-    rows = count_fused_steps(model, monkeypatch)
-    tokenizer = llm.engine.tokenizer
-    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):", "Once upon")]
-    loop, fused = generate_both_ways(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2))
-    assert rows
-    assert [o.token_ids for o in loop] == [o.token_ids for o in fused]
-    assert [o.logprobs for o in loop] == [o.logprobs for o in fused]
-    assert_no_blocks_held(llm)
+    assert_real_model_decodes_the_same(llm, monkeypatch)
