@@ -146,10 +146,7 @@ class Gemma3Model(LlamaModel):
         )  # fmt: skip
 
     def fused_q_scale(self) -> float:
-        scales = {layer.q_scale for layer in self.layers}
-        if len(scales) != 1:
-            raise ValueError(f"Gemma 3 layers with different q scales: {sorted(scales)}")
-        return scales.pop()
+        return self.layers[0].q_scale  # every layer's, from the config's query_pre_attn_scalar
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:
