@@ -97,6 +97,19 @@ def test_fast_paths_match_reference_bfloat16(attention):
     )
 
 
+
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_long_decodes_split_between_threads_match_the_reference(window, dtype):
+    """With fewer decoding requests than threads, the C++ kernel cuts each context into parts
+    that threads take apart, then merges them: contexts from one key to past a thousand, cut at
+    and off tile edges, with a window starting mid-part."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for shapes in ([(1100, 1)], [(0, 1)], [(127, 1)], [(700, 1), (63, 1)], [(1023, 1)]):
+        q, cache, meta, contiguous = make_batch(len(shapes) + window, 16, 3, 3, 64, shapes, dtype=dtype)
+        expected = plain_attention(q, contiguous, shapes, 3, window)
+        torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
+
 def test_cpp_kernel_builds_here():
     from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
@@ -143,7 +156,7 @@ def _older_instruction_sets() -> list[str]:
 @pytest.mark.parametrize("march", _older_instruction_sets())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path):
-    """Built for AVX2 only (`haswell`: plain C++ loops) or AVX-512 without AVX512-BF16
+    """Built for AVX2 only (`haswell`: AVX2 intrinsics, or plain C++ loops) or AVX-512 without AVX512-BF16
     (`skylake-avx512`: bfloat16 converted to float32), the kernels take the paths those CPUs
     run; they must agree with the reference too."""
     import ctypes

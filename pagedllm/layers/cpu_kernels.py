@@ -38,7 +38,8 @@ logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
-    "paged_attention.cpp",
+    "decode_attention.cpp",
+    "prefill_attention.cpp",
     "elementwise.cpp",
     "small_gemm.cpp",
     "sampling.cpp",
@@ -46,7 +47,7 @@ _SOURCES = (
     "quant_gemm.cpp",
     "quant_amx.cpp",
 )
-_HEADERS = ("common.h", "avx512.h", "amx.h", "quant_layout.h")
+_HEADERS = ("common.h", "avx512.h", "amx.h", "quant_layout.h", "softmax.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC vectorizes plain loops with 256-bit registers even where AVX-512 is there; 512 made
@@ -237,7 +238,7 @@ class CpuKernels:
         # take csrc/quant_amx.cpp.
         self.quant_amx = bool(library.quant_amx_available())
         # Built with AMX-BF16 and allowed the tiles (csrc/amx.h): bfloat16 prefill attention runs
-        # on them too (csrc/paged_attention.cpp); the same condition as `quant_amx`.
+        # on them too (csrc/prefill_attention.cpp); the same condition as `quant_amx`.
         self.amx_tiles = self.quant_amx
         # Built with AVX512-BF16: quantized weights can be dequantized into oneDNN's blocked layout.
         self.dequantize_blocked_bf16 = bool(library.dequantize_blocked_available())

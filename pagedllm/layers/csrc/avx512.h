@@ -29,7 +29,7 @@ inline void store_bf16x16(bf16* dst, __m512 v) {
 
 // fast_exp (common.h) on 16 lanes, the same steps: a loop the compiler vectorizes leaves its
 // remainder (a causal row's last < 16 keys) to scalar code, which took a tenth of the prefill
-// kernel's time; callers mask the remainder instead (exp_span in paged_attention.cpp).
+// kernel's time; callers mask the remainder instead (exp_span in softmax.h).
 inline __m512 exp16(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-126.f * 0.6931472f), hi = _mm512_set1_ps(127.f * 0.6931472f);
   const __m512 t = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(x, lo), hi), _mm512_set1_ps(1.4426950408889634f));
