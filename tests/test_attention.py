@@ -97,7 +97,6 @@ def test_fast_paths_match_reference_bfloat16(attention):
     )
 
 
-
 @pytest.mark.parametrize("window", [0, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_long_decodes_split_between_threads_match_the_reference(window, dtype):
@@ -109,6 +108,7 @@ def test_few_long_decodes_split_between_threads_match_the_reference(window, dtyp
         q, cache, meta, contiguous = make_batch(len(shapes) + window, 16, 3, 3, 64, shapes, dtype=dtype)
         expected = plain_attention(q, contiguous, shapes, 3, window)
         torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
+
 
 def test_cpp_kernel_builds_here():
     from pagedllm.layers.cpu_kernels import load_cpu_kernels
