@@ -505,7 +505,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
   const int64_t stride = Partial::floats(heads, D);
   std::vector<float> partials(static_cast<size_t>(items.size()) * stride);
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel if (total * heads >= 8192)
+  // A team only where the work pays for starting it: one request of 300-400 keys and 9 heads ran
+  // 1.4x faster on 2 threads than on one, of 130-200 keys no faster (AVX2 EPYC, float32).
+#pragma omp parallel if (total * heads >= 2048)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
