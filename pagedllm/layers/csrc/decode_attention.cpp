@@ -488,7 +488,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
   const int64_t heads = kv_heads * group;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   // Twice the threads' count of parts, so that uneven parts still balance.
-  const int64_t wanted = num_requests < threads ? std::min(kMaxParts, (2 * threads + num_requests - 1) / num_requests) : 1;
+  const int64_t wanted =
+      num_requests < threads ? std::min(kMaxParts, (2 * threads + num_requests - 1) / num_requests) : 1;
   struct Item {
     int64_t request, start, end, first, count;  // first: its request's first part (an index into items)
   };
@@ -498,9 +499,10 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
     const int64_t start = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0, len = seq_lens[b] - start;
     total += len;
     const int64_t parts = std::max<int64_t>(1, std::min(wanted, len / kMinPartKeys));
-    const int64_t step = ((len + parts - 1) / parts + kKeys - 1) / kKeys * kKeys;
-    const int64_t first = static_cast<int64_t>(items.size()), count = (len + step - 1) / step;
-    for (int64_t s = start; s < seq_lens[b]; s += step) items.push_back({b, s, std::min(seq_lens[b], s + step), first, count});
+    const int64_t step = std::max<int64_t>(kKeys, ((len + parts - 1) / parts + kKeys - 1) / kKeys * kKeys);
+    const int64_t first = static_cast<int64_t>(items.size()), count = std::max<int64_t>(1, (len + step - 1) / step);
+    for (int64_t p = 0; p < count; ++p)  // an empty context (never a real decode) still gets its one part
+      items.push_back({b, start + p * step, std::min(seq_lens[b], start + (p + 1) * step), first, count});
   }
   const int64_t stride = Partial::floats(heads, D);
   std::vector<float> partials(static_cast<size_t>(items.size()) * stride);
