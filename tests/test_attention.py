@@ -177,6 +177,10 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
         q, cache, meta, _ = make_batch(7, 16, 3, 3, head_dim, RAGGED, dtype=dtype)
         expected = reference_attention(q, cache, meta, window).float()
         torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
+    # One long decode: its context split between threads, the parts merged.
+    q, cache, meta, contiguous = make_batch(8, 16, 3, 3, 64, [(900, 1)], dtype=dtype)
+    expected = plain_attention(q, contiguous, [(900, 1)], 3)
+    torch.testing.assert_close(cpp_attention(q, cache, meta).float(), expected, atol=tol, rtol=tol)
 
 
 def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch, tmp_path):
