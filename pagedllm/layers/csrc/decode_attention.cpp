@@ -174,7 +174,7 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
 // rounded to bfloat16 first (as GPU flash attention rounds P before P.V).  Two V rows are
 // interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
 // accumulators hold each 32 dims in the order [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31],
-// put back by `store_paired_output`.
+// put back by `unpair_acc`.
 template <int G>
 inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
                              int64_t ld_pairs, float* acc, int64_t stride) {
