@@ -448,7 +448,9 @@ void decode_span(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 
 // Parts a request's keys are cut into when there are fewer requests than threads, so that every
 // thread has work: one request alone, on 2 cores, read its 1,024-token context at half the rate
-// of two (4.9 against 12.5 GB/s, AVX2 EPYC, float32).  Each part is at least kMinPartKeys keys,
+// of two (4.9 against 12.5 GB/s, AVX2 EPYC, float32, timed over 30 layers' caches).  At 1,024
+// tokens the split took SmolLM2's attention from 8.0 to 4.5 ms a step (benchmarks/step_profile.py
+// --batch 1 --context 1024 --no-fused).  Each part is at least kMinPartKeys keys,
 // and at most kMaxParts a request.
 constexpr int64_t kMinPartKeys = 64;
 constexpr int64_t kMaxParts = 16;
@@ -491,42 +493,44 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
   const int64_t wanted =
       num_requests < threads ? std::min(kMaxParts, (2 * threads + num_requests - 1) / num_requests) : 1;
   struct Item {
-    int64_t request, start, end, first, count;  // first: its request's first part (an index into items)
+    int64_t request, start, end, count;
+    int64_t slot;  // a split request's part: its place in `partials` (its request's parts in a row); else -1
   };
   std::vector<Item> items;
-  int64_t total = 0;
+  int64_t total = 0, slots = 0;
   for (int64_t b = 0; b < num_requests; ++b) {
     const int64_t start = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0, len = seq_lens[b] - start;
     total += len;
     const int64_t parts = std::max<int64_t>(1, std::min(wanted, len / kMinPartKeys));
     const int64_t step = std::max<int64_t>(kKeys, ((len + parts - 1) / parts + kKeys - 1) / kKeys * kKeys);
-    const int64_t first = static_cast<int64_t>(items.size()), count = std::max<int64_t>(1, (len + step - 1) / step);
+    const int64_t count = std::max<int64_t>(1, (len + step - 1) / step);
     for (int64_t p = 0; p < count; ++p)  // an empty context (never a real decode) still gets its one part
-      items.push_back({b, start + p * step, std::min(seq_lens[b], start + (p + 1) * step), first, count});
+      items.push_back({b, start + p * step, std::min(seq_lens[b], start + (p + 1) * step), count,
+                       count > 1 ? slots++ : -1});
   }
   const int64_t stride = Partial::floats(heads, D);
-  std::vector<float> partials(static_cast<size_t>(items.size()) * stride);
+  std::vector<float> partials(static_cast<size_t>(slots * stride));  // only split requests' parts
   const int64_t num_items = static_cast<int64_t>(items.size());
   // A team only where the work pays for starting it: one request of 300-400 keys and 9 heads ran
   // 1.4x faster on 2 threads than on one, of 130-200 keys no faster (AVX2 EPYC, float32).
 #pragma omp parallel if (total * heads >= 2048)
   {
-    std::vector<float> buf;
+    std::vector<float> buf, whole(stride);  // whole: a request of one part, merged straight into out
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) {
       const Item& item = items[i];
       const int64_t b = item.request;
-      float* part = partials.data() + i * stride;
+      float* part = item.slot < 0 ? whole.data() : partials.data() + item.slot * stride;
       decode_span<D>(q + rows[b] * heads * D, k_cache, v_cache, block_tables + b * max_blocks, item.start, item.end,
                      block_size, kv_heads, group, scale, buf, Partial(part, heads, D));
       if (item.count == 1) merge_parts<D>(part, 1, heads, out + rows[b] * heads * D);
     }
-    if (num_items > num_requests) {
+    if (slots > 0) {
 #pragma omp for
       for (int64_t i = 0; i < num_items; ++i) {
         const Item& item = items[i];
-        if (item.count > 1 && item.first == i)
-          merge_parts<D>(partials.data() + i * stride, item.count, heads, out + rows[item.request] * heads * D);
+        if (item.slot >= 0 && (i == 0 || items[i - 1].request != item.request))  // its request's first part
+          merge_parts<D>(partials.data() + item.slot * stride, item.count, heads, out + rows[item.request] * heads * D);
       }
     }
   }
