@@ -71,7 +71,7 @@ def run_batches(engine: LLMEngine, batches: list[int], measure, output: str | No
         results.append(result)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
-        summary = {"dtype": str(engine.dtype), "cpu": cpu_summary(), "results": results}
+        summary = {"dtype": str(engine.dtype), "kv_cache_dtype": str(engine.kv_dtype), "cpu": cpu_summary(), "results": results}
         Path(output).write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output", default="bench-results/step-profile.json")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | float16 | float32 | bfloat16")
     parser.add_argument("--weights", default="auto", help="auto | native | dequantized (see `pagedllm serve --help`)")
     parser.add_argument("--no-fused", action="store_true", help="run the Python layer loop, attention timed apart")
     args = parser.parse_args()
@@ -148,6 +149,7 @@ def main() -> None:
             model=args.model,
             dtype=args.dtype,
             weights=args.weights,
+            kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory="4GiB",
             max_num_seqs=max(args.batch),
         )

@@ -63,6 +63,12 @@ class EngineConfig:
         "auto: bfloat16 on CUDA and where the CPU has native bf16 math (AVX512-BF16, AMX), else float32",
         choices=("auto", "float32", "bfloat16"),
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "element type of the KV cache; auto: float16 beside float32 on the CPU with the C++ attention kernels "
+        "(half the bytes per token), else the model's dtype; float16 is taken beside float32 on the CPU only",
+        choices=("auto", "float16", "float32", "bfloat16"),
+    )
     block_size: int = setting(16, "tokens per KV block", kind="int")
     kv_cache_memory: int | str | None = setting(
         None,

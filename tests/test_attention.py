@@ -110,6 +110,25 @@ def test_few_long_decodes_split_between_threads_match_the_reference(window, dtyp
         torch.testing.assert_close(cpp_attention(q, cache, meta, window).float(), expected, atol=tol, rtol=tol)
 
 
+def as_half_cache(q, cache, meta, contiguous):
+    """The batch with its K/V rounded to float16 (the cache and the contiguous copies alike), q float32."""
+    return q, cache.half(), meta, [(k.half().float(), v.half().float()) for k, v in contiguous]
+
+
+@pytest.mark.parametrize("attention", FAST_PATHS)
+@pytest.mark.parametrize("head_dim,window", [(64, 0), (128, 16), (256, 0)])
+def test_float16_cache_beside_float32_matches_plain_attention(attention, head_dim, window):
+    """A float16 KV cache read by float32 queries: the keys and values are exactly the float16
+    numbers, the math float32, so the result is plain attention on those numbers to float32's
+    precision, prompts and decodes alike, a lone long decode's split parts included."""
+    for seed, shapes in enumerate((RAGGED, [(1100, 1)], [(700, 1), (63, 1)])):
+        batch = make_batch(seed + head_dim, 16, 3, 3, head_dim, shapes)
+        q, cache, meta, contiguous = as_half_cache(*batch)
+        assert cache.dtype == torch.float16 and q.dtype == torch.float32
+        expected = plain_attention(q, contiguous, shapes, 3, window)
+        torch.testing.assert_close(attention(q, cache, meta, window), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_cpp_kernel_builds_here():
     from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
@@ -181,6 +200,42 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     q, cache, meta, contiguous = make_batch(8, 16, 3, 3, 64, [(900, 1)], dtype=dtype)
     expected = plain_attention(q, contiguous, [(900, 1)], 3)
     torch.testing.assert_close(cpp_attention(q, cache, meta).float(), expected, atol=tol, rtol=tol)
+    if dtype == torch.float32:  # a float16 cache: F16C conversions in these builds
+        check_float16_cache(RAGGED + [(900, 1)])
+
+
+def check_float16_cache(shapes, window=16):
+    q, cache, meta, contiguous = as_half_cache(*make_batch(9, 16, 3, 3, 64, shapes))
+    expected = plain_attention(q, contiguous, shapes, 3, window)
+    torch.testing.assert_close(cpp_attention(q, cache, meta, window), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2 (no F16C): x86 only")
+def test_float16_cache_without_f16c(monkeypatch, tmp_path):
+    """Built without F16C (x86-64-v2, as for CPUs or architectures without it), float16 keys and
+    values convert in plain arithmetic: attention on them and the rotary write into the cache
+    (float32 rounded to nearest even, subnormals, overflow to infinity) agree with torch."""
+    import ctypes
+
+    import pagedllm.layers.attention as attention_module
+    from pagedllm.layers.cpu_kernels import CpuKernels, build_library
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    plain = CpuKernels(ctypes.CDLL(str(build_library("x86-64-v2"))))
+    monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
+    check_float16_cache(RAGGED + [(300, 1)])
+    # rotary_dim 0: k and v are copied, converted, so every float32 -> float16 case shows.
+    values = torch.tensor([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6.1e-5, 3e-6, 5.96e-8, 2.9e-8,
+                           1e-9, 1.0009765625, 1.00048828125, 1.000732421875, 0.1, -0.3, float("inf")])  # fmt: skip
+    cols = 64
+    qkv = torch.randn(4, 3 * cols)
+    qkv[:, cols:] = values.repeat(2 * cols * 4 // values.numel() + 1)[: 2 * cols * 4].view(4, 2 * cols)
+    cache = torch.zeros(2, 2, 4, 1, cols, dtype=torch.float16)
+    slots, positions = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    empty = torch.zeros(1, 0)
+    plain.rope_write_kv(qkv, positions, empty, empty, cache, slots, 1, rotary_dim=0)
+    written = cache.view(2, -1, cols)[:, :4].transpose(0, 1).reshape(4, 2 * cols)
+    assert torch.equal(written, qkv[:, cols:].half())
 
 
 def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch, tmp_path):

@@ -87,6 +87,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "layer_groups": engine.layer_groups.describe(),
         "block_size": engine.config.block_size,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
         "ttft_median_s": round(ttfts[len(ttfts) // 2], 3),

@@ -74,7 +74,7 @@ class LLMEngine:
         try:
             built = build_rank_model(config, tp)
             self.runner = ModelRunner(
-                built.model, built.num_blocks, config.block_size, built.dtype, config.seed, built.device, built.groups
+                built.model, built.num_blocks, config.block_size, built.kv_dtype, config.seed, built.device, built.groups
             )
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)
@@ -93,6 +93,7 @@ class LLMEngine:
             raise
         model_config, num_blocks = built.model_config, built.num_blocks
         self.dtype = built.dtype
+        self.kv_dtype = built.kv_dtype
         self.layer_groups = built.groups  # which layers share a block, and which free theirs
         self.kv_block_bytes = built.bytes_per_token * config.block_size * tp.size  # one pool block, all ranks
         self.device = built.device
@@ -141,7 +142,7 @@ class LLMEngine:
         tokens = num_blocks * config.block_size
         c = model_config
         logger.info(
-            "model %s (%s on %s, %d layers, %s linears); %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB "
+            "model %s (%s on %s, %d layers, %s linears); %s %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB "
             "(%s); max model length %d -> %.2fx concurrency at full length",
             built.path.name,
             str(self.dtype).removeprefix("torch."),
@@ -149,6 +150,7 @@ class LLMEngine:
             c.num_layers,
             self.linear_backend,
             self._layout_description(),
+            str(self.kv_dtype).removeprefix("torch."),
             num_blocks,
             config.block_size,
             tokens,

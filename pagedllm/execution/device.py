@@ -53,6 +53,26 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: str, cpp_attention: bool) -> torch.dtype:
+    """The KV cache's element type: the model's dtype, or float16 beside float32 on the CPU (`auto`
+    takes it where the C++ attention kernels run: they read float16 keys and values in registers,
+    so attention reads half the bytes; the torch paths convert whole blocks first)."""
+    half_fits = dtype == torch.float32 and device == "cpu"
+    if name == "auto":
+        return torch.float16 if half_fits and cpp_attention else dtype
+    wanted = _DTYPES[name]
+    if wanted == dtype or (wanted == torch.float16 and half_fits):
+        return wanted
+    model = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"kv_cache_dtype {name} does not run beside a {model} model on {device}: the KV cache holds the "
+        f"model's dtype ({model}), or float16 beside float32 on the CPU"
+    )
+
+
 def select_device(name: str, tp: TensorParallel) -> str:
     """'cpu' or 'cuda:N' for this rank: under tensor parallelism on CUDA, rank r takes device r
     (counted from the one named)."""

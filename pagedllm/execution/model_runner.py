@@ -130,7 +130,7 @@ class ModelRunner:
         model: LlamaModel,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         seed: int = 0,
         device: str | torch.device = "cpu",
         groups: LayerGroups | None = None,
@@ -154,7 +154,7 @@ class ModelRunner:
         # Under tensor parallelism: this rank's KV heads, the same number of blocks on every rank.
         kv_heads = model.shard.num_kv_heads
         self.kv_caches = [
-            torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=dtype, device=self.device)
+            torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(self.groups.group_size)
         ]
         self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.layer_groups import LayerGroups, group_layers
-from pagedllm.execution.device import resolve_dtype, select_device
+from pagedllm.execution.device import resolve_dtype, resolve_kv_cache_dtype, select_device
 from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
@@ -58,6 +58,7 @@ class RankModel:
     path: Path
     device: str  # cpu or cuda:N
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's elements: dtype, or float16 beside float32 on the CPU
     linear_backend: str
     max_model_len: int
     num_blocks: int
@@ -135,6 +136,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     shard = ShardLayout.for_rank(model_config, tp)
 
     attention = select_attention(config.attention, model_config.head_dim, device)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, attention is cpp_attention)
     linear_backend = "torch" if on_cuda else resolve_linear_backend(config.linear, dtype)
     with torch.device(device):  # parameters and rotary tables are created on the device
         model = model_class(model_config)(model_config, dtype, max_model_len, attention, tp, ops)
@@ -163,7 +165,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
 
     c = model_config
     groups = group_layers(c.layer_windows, config.window_freeing and config.kv_layout == "paged")
-    bytes_per_token = 2 * groups.group_size * shard.num_kv_heads * c.head_dim * dtype.itemsize
+    bytes_per_token = 2 * groups.group_size * shard.num_kv_heads * c.head_dim * kv_dtype.itemsize
     memory_plan = None
     if on_cuda and kv_budget is None:
         from pagedllm.execution.memory_profile import plan_kv_cache
@@ -205,6 +207,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         path,
         device,
         dtype,
+        kv_dtype,
         linear_backend,
         fitted,
         num_blocks,

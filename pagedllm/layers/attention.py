@@ -106,8 +106,9 @@ def _prefill_sdpa(
         lo = max(0, seq_len - num_new - window + 1) if window > 0 else 0
         blocks = meta.block_tables[i, lo // block_size : -(-seq_len // block_size)]
         skip = lo // block_size * block_size
-        k = kv_cache[0].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip]
-        v = kv_cache[1].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip]
+        # .to: a float16 cache beside float32 activations (a no-op when the dtypes agree).
+        k = kv_cache[0].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip].to(q.dtype)
+        v = kv_cache[1].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo - skip : seq_len - skip].to(q.dtype)
         # 4-D [1, heads, tokens, dim]: torch's CPU flash kernel takes only that (3-D fell back to
         # the plain math path, measured 2-4x slower).
         k, v, keys = k.transpose(0, 1)[None], v.transpose(0, 1)[None], seq_len - lo
@@ -147,8 +148,8 @@ def _decode_torch(
         size = grp.tokens.shape[0]
         torch.index_select(k_rows, 0, grp.block_ids, out=grp.k_buf)
         torch.index_select(v_rows, 0, grp.block_ids, out=grp.v_buf)
-        k = grp.k_buf.view(size, -1, kv_heads, head_dim)
-        v = grp.v_buf.view(size, -1, kv_heads, head_dim)
+        k = grp.k_buf.view(size, -1, kv_heads, head_dim).to(q.dtype)  # a float16 cache: float32 copies
+        v = grp.v_buf.view(size, -1, kv_heads, head_dim).to(q.dtype)
         # Slots past a member's length (or before its window) hold whatever the block held
         # (stale, never written or freed, possibly NaN); a zero weight times NaN is NaN, so clear them.
         hidden = grp.key_padding if window == 0 else grp.key_padding | grp.before_window(window)

@@ -57,11 +57,14 @@ _COMPILER = os.environ.get("CXX", "g++")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _F32, _BF16 = (torch.float32,), (torch.bfloat16,)
+# float32 activations over a float16 KV cache: the kernels that touch the cache have a version for
+# the pair (`f32_f16kv`), keyed by (activation dtype, cache dtype); see kernel_key.
+_F16KV = ((torch.float32, torch.float16),)
 _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symbol for)
-    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
-    "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16),
+    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV),
+    "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV),
     "add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], _F32 + _BF16),
-    "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16),
+    "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16 + _F16KV),
     "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gemma_norm": ([_P] * 3 + [_I] * 4 + [_F], _F32 + _BF16),
@@ -69,13 +72,20 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
-    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16),
+    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16 + _F16KV),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
     "dequantize_blocked": ([_P] * 3 + [_I] * 5 + [_P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
 }
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", _F16KV[0]: "f32_f16kv"}
+# The KV cache dtypes the kernels take beside each activation dtype (the first: the same dtype).
+KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat16: (torch.bfloat16,)}
+
+
+def kernel_key(dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype | tuple[torch.dtype, torch.dtype]:
+    """The version of a cache-touching kernel for activations of `dtype` over a `kv_dtype` cache."""
+    return dtype if kv_dtype == dtype else (dtype, kv_dtype)
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 
@@ -247,10 +257,11 @@ class CpuKernels:
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
         self.native_bf16 = self.packed_gemm_max_rows[torch.bfloat16] > 0
 
-    def _fn(self, name: str, dtype: torch.dtype):
+    def _fn(self, name: str, dtype: torch.dtype | tuple[torch.dtype, torch.dtype]):
         fn = self._fns.get((name, dtype))
         if fn is None:
-            raise TypeError(f"the CPU kernel {name} has no {dtype} version")
+            described = f"{dtype[0]} over a {dtype[1]} KV cache" if isinstance(dtype, tuple) else dtype
+            raise TypeError(f"the CPU kernel {name} has no {described} version")
         return fn
 
     def paged_decode_attention(
@@ -261,7 +272,7 @@ class CpuKernels:
         `window` > 0: a sliding window."""
         _check(q, k_cache, v_cache, out, rows, seq_lens, tables)
         kv_heads = k_cache.shape[2]
-        self._fn("paged_decode_attention", q.dtype)(
+        self._fn("paged_decode_attention", kernel_key(q.dtype, k_cache.dtype))(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(rows), _ptr(seq_lens), _ptr(tables),
             rows.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads, scale, window,
             _head_dim(q),
@@ -273,7 +284,7 @@ class CpuKernels:
         """As decode, with per prefilling request its first query row and number of new tokens."""
         _check(q, k_cache, v_cache, out, starts, lens, seq_lens, tables)
         kv_heads = k_cache.shape[2]
-        self._fn("paged_prefill_attention", q.dtype)(
+        self._fn("paged_prefill_attention", kernel_key(q.dtype, k_cache.dtype))(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(starts), _ptr(lens), _ptr(seq_lens),
             _ptr(tables), starts.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads,
             scale, window, _head_dim(q),
@@ -311,7 +322,7 @@ class CpuKernels:
             raise ValueError(f"rotary_dim {rotary_dim} does not fit head_dim {head_dim} and tables {tuple(cos.shape)}")
         _check(qkv, positions, cos, sin, kv_cache, slot_mapping)
         q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
-        self._fn("rope_write_kv", qkv.dtype)(
+        self._fn("rope_write_kv", kernel_key(qkv.dtype, kv_cache.dtype))(
             _ptr(qkv), _ptr(q), _ptr(kv_cache[0]), _ptr(kv_cache[1]), _ptr(positions), _ptr(slot_mapping),
             _ptr(cos), _ptr(sin), qkv.shape[0], num_heads, kv_heads, head_dim, rotary_dim,
         )  # fmt: skip
@@ -395,13 +406,14 @@ class CpuKernels:
         return self._workspace(ctypes.addressof(shape))
 
     def decode_layers(
-        self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, rows, seq_lens
-    ) -> None:
+        self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, rows, seq_lens,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
         and `shape` are its structs (each layer's rotary, cache slots and block tables among them), built by
         pagedllm/layers/fused_decode.py, which checks what the kernels cannot."""
         _check(residual, out, workspace, final_norm, positions, rows, seq_lens)
-        self._fn("decode_layers", residual.dtype)(
+        self._fn("decode_layers", kernel_key(residual.dtype, kv_dtype or residual.dtype))(
             ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
             _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(rows), _ptr(seq_lens), rows.shape[0],
         )  # fmt: skip

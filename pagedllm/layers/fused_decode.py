@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.cpu_kernels import CpuKernels
+from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized import QuantizedLinear
 
@@ -149,6 +149,7 @@ class FusedDecode:
         self._shape = _Shape(hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, int(gemma), q_scale)
         self._row = kernels.decode_layers_workspace(self._shape)
         self._bound: tuple[int, ...] = ()  # the data pointers of the KV caches `_table` names
+        self.kv_dtype = self.dtype  # the bound caches' dtype
         self._table = (_Layer * len(layers))()
 
     def applies(self, meta: AttentionMetadata | list[AttentionMetadata], num_tokens: int) -> bool:
@@ -166,8 +167,17 @@ class FusedDecode:
         key = tuple(cache.data_ptr() for cache in kv_caches)
         if key == self._bound:
             return
-        if len(kv_caches) != len(self.layers) or any(c.dtype != self.dtype or not c.is_contiguous() for c in kv_caches):
-            raise ValueError(f"the fused decode step needs {len(self.layers)} contiguous {self.dtype} KV caches")
+        kv_dtype = kv_caches[0].dtype if kv_caches else self.dtype
+        if (
+            len(kv_caches) != len(self.layers)
+            or kv_dtype not in KV_CACHE_DTYPES[self.dtype]
+            or any(c.dtype != kv_dtype or not c.is_contiguous() for c in kv_caches)
+        ):
+            raise ValueError(
+                f"the fused decode step needs {len(self.layers)} contiguous KV caches of one of "
+                f"{KV_CACHE_DTYPES[self.dtype]} beside {self.dtype}"
+            )
+        self.kv_dtype = kv_dtype
         for entry, layer, projections, cache in zip(self._table, self.layers, self._projections, kv_caches):
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             qkv, o, gate_up, down = (ctypes.addressof(p) for p in projections)
@@ -212,6 +222,6 @@ class FusedDecode:
         workspace = torch.empty(m * self._row, dtype=self.dtype)
         self.kernels.decode_layers(
             self._table, len(self.layers), self._shape, residual, out, workspace, self.final_norm,
-            positions, rows, seq_lens,
+            positions, rows, seq_lens, self.kv_dtype,
         )  # fmt: skip
         return out

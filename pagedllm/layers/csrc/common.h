@@ -2,18 +2,28 @@
 //
 // The kernels are plain C++ with a C ABI (no torch headers), so the library
 // compiles in seconds and is called through ctypes with raw pointers.  bfloat16
-// is carried as its 16 bits; conversions round to nearest even, as torch does.
+// is carried as its 16 bits; conversions round to nearest even, as torch does.  So is
+// IEEE half precision (f16), the element of a 16-bit KV cache beside float32 activations:
+// converted by F16C's instructions where the build has them (every AVX2 CPU), else in
+// plain arithmetic.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #define PAGEDLLM_API extern "C" __attribute__((visibility("default")))
 
 namespace pagedllm {
 
 struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
   uint16_t bits;
 };
 
@@ -39,6 +49,52 @@ inline bf16 from_float<bf16>(float x) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
+
+#if defined(__F16C__)
+inline float to_float(f16 x) { return _cvtsh_ss(x.bits); }
+template <>
+inline f16 from_float<f16>(float x) {
+  return f16{static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
+}
+#else
+inline float to_float(f16 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
+  uint32_t u;
+  if (exponent == 0x1fu) {
+    u = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24
+    float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <>
+inline f16 from_float<f16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (a >= 0x477ff000u) return f16{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds past 65504: inf
+  if (a < 0x38800000u) {  // below 2^-14: a subnormal, rounded to nearest even by the float adder
+    float f;
+    std::memcpy(&f, &a, sizeof f);
+    const float scaled = f * 16777216.f;  // in units of 2^-24
+    const float rounded = std::nearbyint(scaled);
+    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(rounded))};
+  }
+  // Normal: drop 13 mantissa bits, rounding to nearest even (a carry into the exponent is right).
+  const uint32_t biased = a - (112u << 23);
+  const uint32_t rounded = biased + 0xfffu + ((biased >> 13) & 1u);
+  return f16{static_cast<uint16_t>(sign | (rounded >> 13))};
+}
+#endif
 
 // Rounds a float to T and back: the value a tensor of dtype T would hold.
 template <typename T>

@@ -106,6 +106,9 @@ struct Regs64 {
 inline void load64(const float* p, Regs64& r) {
   for (int j = 0; j < 4; ++j) r.f[j] = _mm512_loadu_ps(p + 16 * j);
 }
+inline void load64(const f16* p, Regs64& r) {
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(p + 16 * j);
+}
 inline void load64(const bf16* p, Regs64& r) {
 #if defined(__AVX512BF16__)
   for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
@@ -131,8 +134,8 @@ inline __m512 dot_acc(const Regs64& k, const Regs64& q, __m512 acc) {
 // done 16 keys at a time.  One query head at a time, reloading the tile's keys from L1 for
 // each head of the group: holding 2-4 heads' queries and partial sums (16 zmm each) in
 // registers spills; 4 heads measured 1.04-1.16x the time, 2 within noise (docs/performance.md).
-template <int64_t D, typename T>
-inline void head_scores(const T* q, const T* const* rows, int64_t offset, float scale, float* scores) {
+template <int64_t D, typename T, typename KV>
+inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float scale, float* scores) {
   alignas(64) __m512 partial[kKeys];
   for (int64_t c = 0; c < D; c += C) {
     Regs64 qr;
@@ -140,7 +143,7 @@ inline void head_scores(const T* q, const T* const* rows, int64_t offset, float 
     for (int64_t i = 0; i < kKeys; ++i) {
       Regs64 kr;
       load64(rows[i] + offset + c, kr);
-      partial[i] = dot_acc<T>(kr, qr, c == 0 ? _mm512_setzero_ps() : partial[i]);
+      partial[i] = dot_acc<KV>(kr, qr, c == 0 ? _mm512_setzero_ps() : partial[i]);
     }
   }
   _mm512_storeu_ps(scores, _mm512_mul_ps(hsum16(partial), _mm512_set1_ps(scale)));
@@ -250,6 +253,7 @@ inline void unpair_acc(float* acc, int64_t heads) {
 #endif  // __AVX512BF16__
 #elif defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -266,8 +270,8 @@ inline __m256 hsum8x8(const __m256* v) {
 // Scores of one query head against one tile of keys (its KV head at `offset` in each row),
 // 8 keys at a time and 32 dims a pass: 8 partial sums and 4 query registers, 12 of the 16.
 // (The compiler's vectorization of the plain loop summed each key's lanes on its own.)
-template <int64_t D, typename T>
-inline void head_scores(const T* q, const T* const* rows, int64_t offset, float scale, float* scores) {
+template <int64_t D, typename T, typename KV>
+inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float scale, float* scores) {
   for (int64_t k0 = 0; k0 < kKeys; k0 += 8) {
     __m256 partial[8];
     for (int i = 0; i < 8; ++i) partial[i] = _mm256_setzero_ps();
@@ -275,7 +279,7 @@ inline void head_scores(const T* q, const T* const* rows, int64_t offset, float 
       __m256 qr[4];
       for (int j = 0; j < 4; ++j) qr[j] = load8(q + c + 8 * j);
       for (int i = 0; i < 8; ++i) {
-        const T* k = rows[k0 + i] + offset + c;
+        const KV* k = rows[k0 + i] + offset + c;
         for (int j = 0; j < 4; ++j) partial[i] = _mm256_fmadd_ps(load8(k + 8 * j), qr[j], partial[i]);
       }
     }
@@ -309,10 +313,10 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
 #if defined(__AVX2__)  // AVX-512's head_scores and tile_values, or AVX2's
 // Scores of every query head against one tile of keys, KV head by KV head, asking for each
 // head's slice of the `next` tile's rows (if any).
-template <int64_t D, typename T>
-inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
-                        float* scores, int64_t ld, const T* const* next) {
-  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(T));
+template <int64_t D, typename T, typename KV>
+inline void tile_scores(const T* q, const KV* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld, const KV* const* next) {
+  constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
     for (int64_t head = h * group; head < (h + 1) * group; ++head)
@@ -340,17 +344,17 @@ inline void tile_all_values(const float* probs, const T* const* rows, int64_t n,
     }
 }
 #else
-template <int64_t D, typename T>
-inline void tile_scores(const T* q, const T* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
-                        float* scores, int64_t ld, const T* const* next) {
-  if (next != nullptr) prefetch_rows(next, kv_heads * D * static_cast<int64_t>(sizeof(T)));
+template <int64_t D, typename T, typename KV>
+inline void tile_scores(const T* q, const KV* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
+                        float* scores, int64_t ld, const KV* const* next) {
+  if (next != nullptr) prefetch_rows(next, kv_heads * D * static_cast<int64_t>(sizeof(KV)));
   for (int64_t h = 0; h < kv_heads; ++h)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t head = h * group + g;
       float qf[D];
       for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[head * D + d]) * scale;
       for (int64_t i = 0; i < kKeys; ++i) {
-        const T* k = rows[i] + h * D;
+        const KV* k = rows[i] + h * D;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qf[d] * to_float(k[d]);
@@ -399,33 +403,33 @@ struct Partial {
 // Keys start .. end - 1 of one decoding request, every head, into `part`: whole key rows (all
 // KV heads) are read once, in block order, so each block's contiguous memory streams through
 // the cache once.  Scores are indexed from `start`.
-template <int64_t D, typename T>
-void decode_span(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t start, int64_t end,
+template <int64_t D, typename T, typename KV>
+void decode_span(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t start, int64_t end,
                  int64_t block_size, int64_t kv_heads, int64_t group, float scale, std::vector<float>& buf,
                  const Partial& part) {
   const int64_t len = end - start, heads = kv_heads * group, row = kv_heads * D;
   const int64_t ld = (len + kKeys - 1) / kKeys * kKeys;
   buf.resize(heads * ld + heads * ld / 2);  // scores, then their bf16 copy (AVX512-BF16)
   float* scores = buf.data();
-  const T* rows[kKeys];
-  RowWalker<T> keys(k_cache, table, start, end, block_size, row);
-  const T* ahead[kKeys];
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
-  RowWalker<T> keys_ahead(k_cache, table, start, end, block_size, row);
+  const KV* rows[kKeys];
+  RowWalker<KV> keys(k_cache, table, start, end, block_size, row);
+  const KV* ahead[kKeys];
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(KV));
+  RowWalker<KV> keys_ahead(k_cache, table, start, end, block_size, row);
   if (keys_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);  // the first tile
   for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
     keys.next(rows);
     const bool more = keys_ahead.next(ahead) > 0;
     tile_scores<D>(q, rows, t0, kv_heads, group, scale, scores, ld, more ? ahead : nullptr);
   }
-  RowWalker<T> values(v_cache, table, start, end, block_size, row);
-  RowWalker<T> values_ahead(v_cache, table, start, end, block_size, row);
+  RowWalker<KV> values(v_cache, table, start, end, block_size, row);
+  RowWalker<KV> values_ahead(v_cache, table, start, end, block_size, row);
   if (values_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);  // arrives during the softmax
   softmax_rows(scores, heads, len, ld, part.mx, part.sum);
   float* acc = part.acc;
   std::fill(acc, acc + heads * D, 0.f);
 #if defined(__AVX512BF16__)
-  constexpr bool paired = std::is_same_v<T, bf16>;
+  constexpr bool paired = std::is_same_v<KV, bf16>;
   bf16* narrow = reinterpret_cast<bf16*>(scores + heads * ld);  // the weights as bfloat16
   if constexpr (paired) weights_to_bf16(scores, heads, len, ld, narrow);
 #endif
@@ -483,8 +487,8 @@ void merge_parts(const float* parts, int64_t count, int64_t heads, T* out) {
   }
 }
 
-template <int64_t D, typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows,
+template <int64_t D, typename T, typename KV>
+void decode_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* rows,
                    const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,
                    int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {
   const int64_t heads = kv_heads * group;
@@ -540,28 +544,31 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const
 }  // namespace pagedllm
 
 using pagedllm::bf16;
+using pagedllm::f16;
 
 // q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
 // head_dim 64, 128 or 256 (the caller checks; another size does nothing).
 // Decode: rows = the query row of each decoding request; seq_lens and block tables per request.
 // window: the sliding window (0: none).
-#define PAGEDLLM_DECODE_ATTENTION(SUFFIX, T)                                                                               \
+#define PAGEDLLM_DECODE_ATTENTION(SUFFIX, T, KV)                                                                             \
   PAGEDLLM_API void paged_decode_attention_##SUFFIX(                                                               \
-      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,         \
+      const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,       \
       const int64_t* block_tables, int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads,  \
       int64_t group, float scale, int64_t window, int64_t head_dim) {                                              \
     switch (head_dim) {                                                                                            \
-      case 64: pagedllm::decode_kernel<64, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, \
+      case 64: pagedllm::decode_kernel<64, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, \
                                               max_blocks, block_size, kv_heads, group, scale, window); break;        \
-      case 128: pagedllm::decode_kernel<128, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
+      case 128: pagedllm::decode_kernel<128, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
                                                 num_requests, max_blocks, block_size, kv_heads, group, scale,       \
                                                 window); break;                                                     \
-      case 256: pagedllm::decode_kernel<256, T>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
+      case 256: pagedllm::decode_kernel<256, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
                                                 num_requests, max_blocks, block_size, kv_heads, group, scale,       \
                                                 window); break;                                                     \
       default: break;                                                                                              \
     }                                                                                                              \
   }
 
-PAGEDLLM_DECODE_ATTENTION(f32, float)
-PAGEDLLM_DECODE_ATTENTION(bf16, bf16)
+PAGEDLLM_DECODE_ATTENTION(f32, float, float)
+PAGEDLLM_DECODE_ATTENTION(bf16, bf16, bf16)
+// float32 queries and outputs over a float16 KV cache (half the bytes a key or value reads).
+PAGEDLLM_DECODE_ATTENTION(f32_f16kv, float, f16)

@@ -86,6 +86,7 @@ struct DecodeShape {
                                        int64_t);                                                                   \
   }                                                                                                                \
   struct Kernels_##SUFFIX {                                                                                        \
+    using KV = T; /* the KV cache's element */                                                                     \
     static constexpr auto add_rms_norm = add_rms_norm_##SUFFIX;                                                    \
     static constexpr auto rope_write_kv = rope_write_kv_##SUFFIX;                                                  \
     static constexpr auto silu_mul = silu_mul_##SUFFIX;                                                            \
@@ -98,6 +99,20 @@ struct DecodeShape {
 
 PAGEDLLM_DECLARE(f32, float)
 PAGEDLLM_DECLARE(bf16, bf16)
+
+// float32 layers over a float16 KV cache: only the two kernels that touch the cache differ.
+extern "C" {
+void rope_write_kv_f32_f16kv(const float*, float*, pagedllm::f16*, pagedllm::f16*, const int64_t*, const int64_t*,
+                             const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+void paged_decode_attention_f32_f16kv(const float*, const pagedllm::f16*, const pagedllm::f16*, float*, const int64_t*,
+                                      const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                      float, int64_t, int64_t);
+}
+struct Kernels_f32_f16kv : Kernels_f32 {
+  using KV = pagedllm::f16;
+  static constexpr auto rope_write_kv = rope_write_kv_f32_f16kv;
+  static constexpr auto decode_attention = paged_decode_attention_f32_f16kv;
+};
 
 namespace pagedllm {
 namespace {
@@ -149,8 +164,9 @@ struct Buffers {
 template <typename T, typename K>
 void attend(const DecodeLayer& layer, const DecodeShape& s, const Buffers<T>& b, const int64_t* positions,
             const int64_t* rows, const int64_t* seq_lens, int64_t m) {
-  T* k_cache = static_cast<T*>(layer.k_cache);
-  T* v_cache = static_cast<T*>(layer.v_cache);
+  using KV = typename K::KV;
+  KV* k_cache = static_cast<KV*>(layer.k_cache);
+  KV* v_cache = static_cast<KV*>(layer.v_cache);
   K::rope_write_kv(b.qkv, b.q, k_cache, v_cache, positions, layer.slots, layer.cos, layer.sin, m, s.heads, s.kv_heads,
                    s.head_dim, layer.rotary_dim);
   if (s.q_scale != 1.f) {
@@ -319,3 +335,4 @@ PAGEDLLM_API int64_t decode_layers_workspace(const DecodeShape* shape) { return 
 
 PAGEDLLM_DECODE_LAYERS(f32, float)
 PAGEDLLM_DECODE_LAYERS(bf16, bf16)
+PAGEDLLM_DECODE_LAYERS(f32_f16kv, float)

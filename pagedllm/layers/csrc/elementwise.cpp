@@ -61,21 +61,34 @@ void gemma_norm(const T* x, const float* weight, T* out, int64_t rows, int64_t c
   }
 }
 
+// n elements from src into dst, converted where their types differ.
+template <typename T, typename O>
+inline void copy_as(const T* src, O* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, O>) {
+    if (n > 0) std::memcpy(dst, src, n * sizeof(T));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<O>(to_float(src[i]));
+  }
+}
+
 // Rotates one head into dst: its first 2 * half dims by halves (Hugging Face's order), the
 // rest of its head_dim copied as they are (partial rotary; half 0: no rotary at all).
-template <typename T>
-inline void rotate(const T* src, T* dst, const float* cos, const float* sin, int64_t half, int64_t head_dim) {
+// Into dst of type O (a 16-bit KV cache beside float32 activations: rounded once, after the
+// rotation in float).
+template <typename T, typename O>
+inline void rotate(const T* src, O* dst, const float* cos, const float* sin, int64_t half, int64_t head_dim) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_float(src[i]), x2 = to_float(src[i + half]);
-    dst[i] = from_float<T>(x1 * cos[i] - x2 * sin[i]);
-    dst[i + half] = from_float<T>(x2 * cos[i] + x1 * sin[i]);
+    dst[i] = from_float<O>(x1 * cos[i] - x2 * sin[i]);
+    dst[i + half] = from_float<O>(x2 * cos[i] + x1 * sin[i]);
   }
-  if (2 * half < head_dim) std::memcpy(dst + 2 * half, src + 2 * half, (head_dim - 2 * half) * sizeof(T));
+  copy_as(src + 2 * half, dst + 2 * half, head_dim - 2 * half);
 }
 
-template <typename T>
-void rope_write_kv(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, const int64_t* slots,
+template <typename T, typename KV>
+void rope_write_kv(const T* qkv, T* q_out, KV* k_cache, KV* v_cache, const int64_t* positions, const int64_t* slots,
                    const float* cos_table, const float* sin_table, int64_t tokens, int64_t heads, int64_t kv_heads,
                    int64_t head_dim, int64_t rotary_dim) {
   // positions[t]: token t's row of the cos/sin tables (rotary_dim / 2 values each).
@@ -87,9 +100,9 @@ void rope_write_kv(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t
     const float* cos = cos_table + positions[t] * half;
     const float* sin = sin_table + positions[t] * half;
     for (int64_t h = 0; h < heads; ++h) rotate(src + h * head_dim, q_out + t * q_size + h * head_dim, cos, sin, half, head_dim);
-    T* k_dst = k_cache + slots[t] * kv_size;
+    KV* k_dst = k_cache + slots[t] * kv_size;
     for (int64_t h = 0; h < kv_heads; ++h) rotate(src + q_size + h * head_dim, k_dst + h * head_dim, cos, sin, half, head_dim);
-    std::memcpy(v_cache + slots[t] * kv_size, src + q_size + kv_size, kv_size * sizeof(T));
+    copy_as(src + q_size + kv_size, v_cache + slots[t] * kv_size, kv_size);
   }
 }
 
@@ -163,7 +176,7 @@ using pagedllm::bf16;
   PAGEDLLM_API void rope_write_kv_##SUFFIX(const T* qkv, T* q_out, T* k_cache, T* v_cache, const int64_t* positions, \
                                            const int64_t* slots, const float* cos, const float* sin, int64_t tokens, \
                                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim) { \
-    pagedllm::rope_write_kv<T>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads, kv_heads,    \
+    pagedllm::rope_write_kv<T, T>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads, kv_heads, \
                                head_dim, rotary_dim);                                                              \
   }                                                                                                                \
   PAGEDLLM_API void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t width) {                      \
@@ -179,3 +192,12 @@ using pagedllm::bf16;
 
 PAGEDLLM_ELEMENTWISE(f32, float)
 PAGEDLLM_ELEMENTWISE(bf16, bf16)
+
+// float32 q and K/V rows written into a float16 KV cache.
+PAGEDLLM_API void rope_write_kv_f32_f16kv(const float* qkv, float* q_out, pagedllm::f16* k_cache, pagedllm::f16* v_cache,
+                                          const int64_t* positions, const int64_t* slots, const float* cos,
+                                          const float* sin, int64_t tokens, int64_t heads, int64_t kv_heads,
+                                          int64_t head_dim, int64_t rotary_dim) {
+  pagedllm::rope_write_kv<float, pagedllm::f16>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads,
+                                                kv_heads, head_dim, rotary_dim);
+}

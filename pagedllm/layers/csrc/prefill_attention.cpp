@@ -378,8 +378,8 @@ struct AmxPrefill {
 };
 #endif
 
-template <int64_t D, typename T>
-void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table, int64_t row0,
+template <int64_t D, typename T, typename KV>
+void prefill_item(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* table, int64_t row0,
                   int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size, int64_t kv_heads,
                   int64_t group, int64_t h, float scale, bool amx, std::vector<float>& buf) {
   const int64_t heads = kv_heads * group, rows = num_tokens * group;
@@ -401,7 +401,7 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
   float* values = tile + D * std::max(kKeyTile, width / 2);  // the item's V rows
   auto query = [&](int64_t t, int64_t g) { return q + (row0 + t) * heads * D + (h * group + g) * D; };
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<KV, bf16>) {
     // bfloat16 copies fit in the float32 buffers' room: Q, the K tile's pairs, V's pairs.
     bf16* Qb = reinterpret_cast<bf16*>(Q);
     std::fill(Qb, Qb + padded * D, bf16{0});
@@ -430,9 +430,9 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
         float* dst = Q + (t * group + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
       }
-    Float32Prefill<D, T>::scores(p, Q, k_cache, table, block_size, kv_heads, h, S, tile);
+    Float32Prefill<D, KV>::scores(p, Q, k_cache, table, block_size, kv_heads, h, S, tile);
     softmax_item(p, S, inv_sum);
-    Float32Prefill<D, T>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, values);
+    Float32Prefill<D, KV>::values(p, S, v_cache, table, block_size, kv_heads, h, acc, values);
   }
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
@@ -442,8 +442,8 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, T* out, const 
     }
 }
 
-template <int64_t D, typename T>
-void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts,
+template <int64_t D, typename T, typename KV>
+void prefill_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* query_starts,
                     const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_tables,
                     int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
                     float scale, int64_t window) {
@@ -456,7 +456,7 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
         items.push_back({b, h, t, std::min(tokens_per_item, query_lens[b] - t)});
   const int64_t num_items = static_cast<int64_t>(items.size());
 #if defined(PAGEDLLM_AMX)
-  const bool amx = std::is_same_v<T, bf16> && amx_granted();
+  const bool amx = std::is_same_v<KV, bf16> && amx_granted();
 #else
   const bool amx = false;
 #endif
@@ -485,29 +485,31 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, T* out, cons
 }  // namespace pagedllm
 
 using pagedllm::bf16;
+using pagedllm::f16;
 
 // q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
 // head_dim 64, 128 or 256 (the caller checks; another size does nothing).
 // Prefill: per prefilling request its first query row, number of new tokens, context length
 // after the step, and block table.  window: the sliding window (0: none).
-#define PAGEDLLM_PREFILL_ATTENTION(SUFFIX, T)                                                                               \
+#define PAGEDLLM_PREFILL_ATTENTION(SUFFIX, T, KV)                                                                             \
   PAGEDLLM_API void paged_prefill_attention_##SUFFIX(                                                              \
-      const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* query_starts, const int64_t* query_lens, \
+      const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* query_starts, const int64_t* query_lens, \
       const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,               \
       int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window, int64_t head_dim) {         \
     switch (head_dim) {                                                                                            \
-      case 64: pagedllm::prefill_kernel<64, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,        \
+      case 64: pagedllm::prefill_kernel<64, T, KV>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,        \
                                                block_tables, num_requests, max_blocks, block_size, kv_heads, group, \
                                                scale, window); break;                                               \
-      case 128: pagedllm::prefill_kernel<128, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
+      case 128: pagedllm::prefill_kernel<128, T, KV>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
                                                  block_tables, num_requests, max_blocks, block_size, kv_heads,      \
                                                  group, scale, window); break;                                      \
-      case 256: pagedllm::prefill_kernel<256, T>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
+      case 256: pagedllm::prefill_kernel<256, T, KV>(q, k_cache, v_cache, out, query_starts, query_lens, seq_lens,      \
                                                  block_tables, num_requests, max_blocks, block_size, kv_heads,      \
                                                  group, scale, window); break;                                      \
       default: break;                                                                                              \
     }                                                                                                              \
   }
 
-PAGEDLLM_PREFILL_ATTENTION(f32, float)
-PAGEDLLM_PREFILL_ATTENTION(bf16, bf16)
+PAGEDLLM_PREFILL_ATTENTION(f32, float, float)
+PAGEDLLM_PREFILL_ATTENTION(bf16, bf16, bf16)
+PAGEDLLM_PREFILL_ATTENTION(f32_f16kv, float, f16)  // float32 queries over a float16 KV cache
