@@ -71,7 +71,12 @@ def run_batches(engine: LLMEngine, batches: list[int], measure, output: str | No
         results.append(result)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
-        summary = {"dtype": str(engine.dtype), "kv_cache_dtype": str(engine.kv_dtype), "cpu": cpu_summary(), "results": results}
+        summary = {
+            "dtype": str(engine.dtype),
+            "kv_cache_dtype": str(engine.kv_dtype),
+            "cpu": cpu_summary(),
+            "results": results,
+        }
         Path(output).write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -74,7 +74,13 @@ class LLMEngine:
         try:
             built = build_rank_model(config, tp)
             self.runner = ModelRunner(
-                built.model, built.num_blocks, config.block_size, built.kv_dtype, config.seed, built.device, built.groups
+                built.model,
+                built.num_blocks,
+                config.block_size,
+                built.kv_dtype,
+                config.seed,
+                built.device,
+                built.groups,
             )
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)

@@ -86,6 +86,8 @@ KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat16
 def kernel_key(dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype | tuple[torch.dtype, torch.dtype]:
     """The version of a cache-touching kernel for activations of `dtype` over a `kv_dtype` cache."""
     return dtype if kv_dtype == dtype else (dtype, kv_dtype)
+
+
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 
