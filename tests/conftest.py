@@ -72,9 +72,10 @@ def assert_no_blocks_held(llm: LLM) -> None:
 
 @functools.cache
 def _llm(**kwargs) -> LLM:
-    # The shared engines hold the GGUF dequantized (as the transformers reference does) unless a
-    # test asks for weights="native"; tests/test_quantized.py checks the native path against them.
-    return LLM(dtype="float32", **({"weights": "dequantized"} | kwargs))
+    # The shared engines hold the GGUF dequantized and a float32 KV cache (as the transformers
+    # reference does) unless a test asks for weights="native" or another cache dtype;
+    # tests/test_quantized.py and tests/test_kv_cache_dtype.py check those paths against them.
+    return LLM(dtype="float32", **({"weights": "dequantized", "kv_cache_dtype": "float32"} | kwargs))
 
 
 def release_shared_engines() -> None:
@@ -86,9 +87,9 @@ def release_shared_engines() -> None:
 
 @contextlib.contextmanager
 def llm_factory():
-    """Yields make(**engine_args) -> a float32 SmolLM2 engine (weights dequantized unless given),
-    shared between tests with the same arguments; on exit, every KV block of those engines
-    must be free."""
+    """Yields make(**engine_args) -> a float32 SmolLM2 engine (weights dequantized and a float32 KV
+    cache unless given), shared between tests with the same arguments; on exit, every KV block of
+    those engines must be free."""
     used: list[LLM] = []
 
     def make(**kwargs) -> LLM:

@@ -66,10 +66,20 @@ def generate_both_ways(llm: LLM, prompts, params):
     return loop, llm.generate(prompts, params)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype", [("float32", "float16"), ("float32", "float32"), ("bfloat16", "bfloat16")]
+)
+def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, kv_cache_dtype, monkeypatch):
     kernels = load_cpu_kernels()
-    llm = LLM(str(tiny_llama), dtype=dtype, block_size=8, kv_cache_memory="32MiB", enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=8,
+        kv_cache_memory="32MiB",
+        enable_prefix_caching=False,
+    )
+    assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
     model = llm.engine.runner.model
     if kernels.packed_gemm_max_rows[getattr(torch, dtype)] == 0:  # bfloat16 without AVX512-BF16
         assert model.fused_decode is None
