@@ -1,7 +1,9 @@
 """What computing on the GGUF's quantized blocks costs in accuracy: weights=native against the
-same file dequantized (weights=dequantized), both in --dtype.
+same file dequantized (weights=dequantized), both in --dtype; or with `--compare kv-cache-dtype`,
+a float16 KV cache against a float32 one (float32 activations, the weights as `auto` holds them).
 
     python benchmarks/quantized_accuracy.py [--model smollm2|gemma3-270m] [--prompts 50]
+    python benchmarks/quantized_accuracy.py --compare kv-cache-dtype --dtype float32
 
 The text is a real one every Python install carries: the sections of the Python language
 reference in `pydoc_data.topics`.
@@ -28,6 +30,12 @@ from pagedllm.benchmarking.throughput import print_result
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.layers.cpu_kernels import cpu_summary
+
+# What each comparison runs: the baseline first, then the variant measured against it.
+VARIANTS = {
+    "weights": [("dequantized", {"weights": "dequantized"}), ("native", {"weights": "native"})],
+    "kv-cache-dtype": [("float32", {"kv_cache_dtype": "float32"}), ("float16", {"kv_cache_dtype": "float16"})],
+}
 
 
 def sections() -> list[str]:
@@ -65,6 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--compare", choices=sorted(VARIANTS), default="weights")
     parser.add_argument("--output", default="bench-results/quantized-accuracy.json")
     args = parser.parse_args()
     texts = sections()
@@ -73,25 +82,27 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {}
     nll: dict[str, float] = {}
     scored_tokens = 0
-    for weights in ("dequantized", "native"):
-        llm = LLM(args.model, dtype=args.dtype, weights=weights, kv_cache_memory="1GiB")
+    (base, _), (variant, _) = VARIANTS[args.compare]
+    for label, settings in VARIANTS[args.compare]:
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB", **settings)
         tok = llm.tokenizer
         prompts = [tok.encode(text)[:200] for text in texts[8 : 8 + args.prompts]]
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-        outputs[weights] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        outputs[label] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         documents = [tok.encode(text)[:1024] for text in texts[:8]]
-        nll[weights] = sum(negative_log_likelihood(llm, ids, 16) for ids in documents)
+        nll[label] = sum(negative_log_likelihood(llm, ids, 16) for ids in documents)
         scored_tokens = sum(len(ids) - 1 for ids in documents)
         dtype = str(llm.engine.dtype).removeprefix("torch.")
         llm.shutdown()
     same = leading = 0
-    for a, b in zip(outputs["native"], outputs["dequantized"]):
+    for a, b in zip(outputs[variant], outputs[base]):
         same += sum(x == y for x, y in zip(a, b))
         leading += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     total = 64 * args.prompts
     perplexity = {w: math.exp(v / scored_tokens) for w, v in nll.items()}
     report = {
         "model": args.model,
+        "compare": args.compare,
         "dtype": dtype,
         "cpu": cpu_summary(),
         "machine": machine(),
@@ -101,7 +112,7 @@ def main() -> None:
         "identical_leading_tokens": round(leading / total, 4),
         "perplexity_tokens": scored_tokens,
         "perplexity": {w: round(p, 4) for w, p in perplexity.items()},
-        "perplexity_change": round(perplexity["native"] / perplexity["dequantized"] - 1, 5),
+        "perplexity_change": round(perplexity[variant] / perplexity[base] - 1, 5),
     }
     print_result(report, args.output)
 

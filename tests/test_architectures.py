@@ -62,8 +62,10 @@ def expected_windows(name: str) -> tuple[int, ...]:
 def test_greedy_and_logits_match_transformers(checkpoint, attention):
     name, path, hf_model = checkpoint
     # A 32-token budget cuts the longer prompts into chunks, the first ending before the window's edge.
+    # A float32 KV cache, as transformers holds: the float16 one (auto beside float32 on the C++
+    # kernels) is checked against it in tests/test_kv_cache_dtype.py.
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_num_batched_tokens=32,
-              attention=attention)  # fmt: skip
+              attention=attention, kv_cache_dtype="float32")  # fmt: skip
     config = llm.engine.model_config
     assert config.architecture == CASES[name][0].removesuffix("_text") and config.layer_windows == expected_windows(
         name

@@ -51,10 +51,13 @@ def test_settings_that_cannot_work_are_refused_at_start():
         LLM(dtype="float32", max_model_len=100_000)
     with pytest.raises(ValueError, match=r"more than this machine can give the KV cache.*MemAvailable"):
         LLM(dtype="float32", kv_cache_memory="100TiB")
-    with pytest.raises(
-        ValueError, match=r"fewer than one request of max_model_len 4096: pass --kv-cache-memory 180MiB"
-    ):
+    # 4096 tokens of SmolLM2's float16 KV cache (auto beside float32): 90 MiB.
+    with pytest.raises(ValueError, match=r"fewer than one request of max_model_len 4096: pass --kv-cache-memory 90MiB"):
         LLM(dtype="float32", kv_cache_memory="8MiB", max_model_len=4096)
+    with pytest.raises(ValueError, match=r"pass --kv-cache-memory 180MiB"):
+        LLM(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="8MiB", max_model_len=4096)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype float16 does not run beside a bfloat16 model"):
+        LLM(dtype="bfloat16", kv_cache_dtype="float16", kv_cache_memory="8MiB")
 
 
 def test_abort_frees_blocks_at_once(llm):
@@ -91,9 +94,9 @@ def test_startup_log_reports_kv_sizing(caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(dtype="float32", kv_cache_memory="64MiB", block_size=32)
     message = caplog.text
-    blocks = 64 * 2**20 // (32 * 2 * 30 * 3 * 64 * 4)
+    blocks = 64 * 2**20 // (32 * 2 * 30 * 3 * 64 * 2)  # float16 K and V (auto beside float32)
     assert llm.engine.kv_cache.num_blocks == blocks
-    assert f"{blocks} blocks x 32 tokens = {blocks * 32} tokens" in message
+    assert f"float16 KV cache: {blocks} blocks x 32 tokens = {blocks * 32} tokens" in message
     assert "concurrency" in message
 
 

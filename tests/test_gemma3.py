@@ -25,8 +25,9 @@ def gemma():
     from transformers import AutoModelForCausalLM
 
     release_shared_engines()  # this test alone peaks near 18 GB (two float32 Gemmas, 262k-wide logits)
-    # The GGUF dequantized, as transformers loads it (the native path: tests/test_quantized.py).
-    llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB", weights="dequantized")
+    # The GGUF dequantized and a float32 KV cache, as transformers holds them (the native path:
+    # tests/test_quantized.py; the float16 cache: tests/test_kv_cache_dtype.py).
+    llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB", weights="dequantized", kv_cache_dtype="float32")
     path = llm.engine.model_path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     return llm, hf

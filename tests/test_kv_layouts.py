@@ -37,7 +37,16 @@ def test_bench_compare_writes_the_report_folder(tmp_path, capsys):
     )
     report = tmp_path / "report"
     argv = ["bench", "--workload", str(workload), "--compare", "paged,contiguous", "--block-size", "16,32"]
-    argv += ["--report-dir", str(report), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    argv += [
+        "--report-dir",
+        str(report),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--kv-cache-dtype",
+        "float32",
+    ]
     argv += ["--max-model-len", "128", "--log-level", "WARNING"]
     assert main(argv) == 0
     summary = json.loads((report / "summary.json").read_text())

@@ -82,7 +82,9 @@ def checkpoint(request, tmp_path_factory):
 
 def test_greedy_and_logits_match_transformers(checkpoint):
     name, path, hf_model = checkpoint
-    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_num_batched_tokens=32)
+    # A float32 KV cache, as transformers holds (the float16 one: tests/test_kv_cache_dtype.py).
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype="float32", block_size=8, kv_cache_memory="16MiB",
+              max_num_batched_tokens=32)  # fmt: skip
     config = llm.engine.model_config
     assert config.architecture == CASES[name][0]
     gen = torch.Generator().manual_seed(1)
@@ -195,7 +197,8 @@ def _gguf_roundtrip(path, hf_model, tmp_path):
     from pagedllm.testing.gguf_export import write_gguf
 
     gguf_path = write_gguf(path, tmp_path / "model.gguf")
-    llm = LLM(str(gguf_path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_num_batched_tokens=32)
+    llm = LLM(str(gguf_path), dtype="float32", kv_cache_dtype="float32", block_size=8, kv_cache_memory="16MiB",
+              max_num_batched_tokens=32)  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1000, 49152, (n,), generator=gen).tolist() for n in (9, 45, 70)]
     expected = [hf_greedy(hf_model, prompt, 16) for prompt in prompts]
