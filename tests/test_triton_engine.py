@@ -40,7 +40,9 @@ def checkpoint(request, tmp_path_factory):
 
 def run(path, attention: str, **engine) -> dict:
     # A cache too small for the four requests together: some are preempted and recomputed.
-    args = dict(dtype="float32", block_size=8, max_num_batched_tokens=24, attention=attention, **engine)
+    # A float32 KV cache for both kernels (the C++ ones would take float16 by default).
+    args = dict(dtype="float32", kv_cache_dtype="float32", block_size=8, max_num_batched_tokens=24, attention=attention)
+    args |= engine
     with LLM(str(path), **args) as llm:
         gen = torch.Generator().manual_seed(3)
         shared = torch.randint(1000, 49152, (17,), generator=gen).tolist()
