@@ -3,6 +3,7 @@ dequantized weights are loaded once per session and engines are reused."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -70,18 +71,33 @@ def assert_no_blocks_held(llm: LLM) -> None:
     assert_engine_holds_nothing(llm.engine)
 
 
-@functools.cache
+# At most this many shared engines stay alive: each holds about 1 GB (its weights' packed copies
+# and the KV cache pages it touched), and a session that kept every one it built grew past 18 GB,
+# leaving the tests that start worker processes of their own too little memory.
+_MAX_SHARED_ENGINES = 3
+_shared_engines: collections.OrderedDict[tuple, LLM] = collections.OrderedDict()
+
+
 def _llm(**kwargs) -> LLM:
     # The shared engines hold the GGUF dequantized and a float32 KV cache (as the transformers
     # reference does) unless a test asks for weights="native" or another cache dtype;
     # tests/test_quantized.py and tests/test_kv_cache_dtype.py check those paths against them.
-    return LLM(dtype="float32", **({"weights": "dequantized", "kv_cache_dtype": "float32"} | kwargs))
+    key = tuple(sorted(kwargs.items()))
+    if key in _shared_engines:
+        _shared_engines.move_to_end(key)
+        return _shared_engines[key]
+    while len(_shared_engines) >= _MAX_SHARED_ENGINES:
+        _shared_engines.popitem(last=False)
+    gc.collect()  # the evicted engine's tensors go before the new one allocates its own
+    llm = LLM(dtype="float32", **({"weights": "dequantized", "kv_cache_dtype": "float32"} | kwargs))
+    _shared_engines[key] = llm
+    return llm
 
 
 def release_shared_engines() -> None:
     """Drop the SmolLM2 engines `make_llm` keeps for later tests (each holds its weights, their
     packed copies and a KV cache): for a test that needs the machine's memory for itself."""
-    _llm.cache_clear()
+    _shared_engines.clear()
     gc.collect()
 
 
