@@ -72,7 +72,7 @@ def assert_no_blocks_held(llm: LLM) -> None:
 
 
 # At most this many shared engines stay alive: each holds about 1 GB (its weights' packed copies
-# and the KV cache pages it touched), and a session that kept every one it built grew past 18 GB,
+# and the KV cache pages it touched), and a session that kept every one it built reached 23 GB,
 # leaving the tests that start worker processes of their own too little memory.
 _MAX_SHARED_ENGINES = 3
 _shared_engines: collections.OrderedDict[tuple, LLM] = collections.OrderedDict()
