@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm.execution.device import resolve_kv_cache_dtype
-from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits
+from pagedllm.testing.hf_reference import first_divergence_is_a_near_tie, greedy, hf_greedy, hf_logits, our_logits
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -51,13 +51,17 @@ QUESTIONS = [
 
 def test_real_smollm2_on_a_float16_cache_against_transformers(make_llm, hf_model):
     """Keys and values rounded to float16 (11 significant bits) move SmolLM2's logits by a few
-    hundredths of units that span ~30; greedy decoding keeps transformers' float32 tokens."""
+    hundredths of units that span ~30; greedy decoding keeps transformers' float32 tokens but at
+    near ties (the story prompt's 24th token is one: logits 16.8470 and 16.8448, which the AVX-512
+    build's summation order turns)."""
     llm = make_llm(kv_cache_dtype="float16")
     tok = llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     reference = [hf_greedy(hf_model, p, 32) for p in prompts]
     outputs = llm.generate(prompts, greedy(32))
-    assert [o.token_ids for o in outputs] == reference
+    for prompt, output, expected in zip(prompts, outputs, reference):
+        assert first_divergence_is_a_near_tie(hf_model, prompt, output.token_ids, expected, 0.05) is None
+    assert sum(o.token_ids == r for o, r in zip(outputs, reference)) >= len(prompts) - 1
     worst = 0.0
     for prompt, continuation in zip(prompts, reference):
         ids = prompt + continuation

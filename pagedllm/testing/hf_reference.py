@@ -46,6 +46,22 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         kv.free(request_id)
 
 
+def first_divergence_is_a_near_tie(
+    model, prompt: list[int], ours: list[int], reference: list[int], tolerance: float
+) -> str | None:
+    """None if `ours` equals transformers' greedy `reference`, or first leaves it where the
+    reference's logit for its own token is within `tolerance` of its logit for ours (a near tie
+    that rounding within the logit tolerance may turn); else a message naming the step."""
+    for i, (mine, theirs) in enumerate(zip(ours, reference)):
+        if mine != theirs:
+            logits = hf_logits(model, prompt + reference[:i])[-1]
+            gap = float(logits[theirs] - logits[mine])
+            if gap <= tolerance:
+                return None
+            return f"token {i}: {mine} where transformers picks {theirs}, whose logit is {gap:.4f} higher"
+    return None
+
+
 def save_random_llama(path, **config) -> torch.nn.Module:
     """A random-weight llama (seed 0) with the SmolLM2 tokenizer, saved as a Hugging Face
     checkpoint directory at `path`; `config` are LlamaConfig fields.  Returns the HF model."""
