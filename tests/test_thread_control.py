@@ -108,3 +108,23 @@ def test_a_window_without_steps_is_not_used() -> None:
     machine.run(1.1, own_cores=1.0, other_cores=1.0)  # a busy loop within one window still counts
     threads.after_step()
     assert threads.threads == 1 and calls == [2, 1]
+
+
+def test_releasing_the_openmp_workers_leaves_torch_computing_the_same():
+    """torch's CPU build runs libgomp, which has `omp_pause_resource_all`: the call frees this
+    thread's workers, and the next parallel region (here, on another thread too) starts new ones."""
+    import threading
+
+    import torch
+
+    from pagedllm.execution.thread_control import release_openmp_workers
+
+    a, b = torch.randn(256, 512), torch.randn(512, 384)
+    before = a @ b
+    assert release_openmp_workers() is True
+    assert torch.equal(a @ b, before)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(a @ b))
+    worker.start()
+    worker.join()
+    assert torch.equal(results[0], before)

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import LLMEngine
+from pagedllm.execution.thread_control import release_openmp_workers
 
 logger = logging.getLogger("pagedllm")
 
@@ -190,6 +191,9 @@ class AsyncLLMEngine:
     # --- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
+        # The engine was built (and warmed up) on this thread; its OpenMP workers would slow every
+        # parallel region the engine thread runs from now on (release_openmp_workers says why).
+        release_openmp_workers()
         self._thread.start()
 
     def start_draining(self) -> None:
