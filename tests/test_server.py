@@ -24,10 +24,10 @@ from pagedllm.testing.servers import API_KEY, MODEL, serve_subprocess
 # a float GEMM instead of the integer kernels, and where a logit is nearly tied the two can
 # part (docs/performance.md); tests/test_quantized.py serves the native path.  The KV cache is
 # float32 (256 MiB: 5,824 tokens); the offline engine holds the same.  Not the default float16
-# cache beside float32: it rounds keys and values
-# once more, which turns a tiny difference in a projection's sum between batch sizes into a whole
-# float16 step, enough to flip a near tie (on an AMX Xeon, one of 32 concurrent replies did),
-# and the batch tests below compare replies token for token.
+# cache beside float32: it rounds keys and values once more, which turns a tiny difference in a
+# projection's sum between batch sizes into a whole float16 step, enough to flip a near tie (on
+# an AMX Xeon, one of 32 concurrent replies did), and the batch tests below compare replies token
+# for token.
 SERVER_ARGS = (
     "--dtype",
     "float32",
