@@ -1,9 +1,12 @@
 """What computing on the GGUF's quantized blocks costs in accuracy: weights=native against the
 same file dequantized (weights=dequantized), both in --dtype; or with `--compare kv-cache-dtype`,
-a float16 KV cache against a float32 one (float32 activations, the weights as `auto` holds them).
+a float16 KV cache against a float32 one (float32 activations, the weights as `auto` holds them);
+or with `--compare kv-cache-float8`, a float8 e4m3 KV cache against the default one of --dtype
+(bfloat16 beside bfloat16, float16 beside float32).
 
     python benchmarks/quantized_accuracy.py [--model smollm2|gemma3-270m] [--prompts 50]
     python benchmarks/quantized_accuracy.py --compare kv-cache-dtype --dtype float32
+    python benchmarks/quantized_accuracy.py --compare kv-cache-float8
 
 The text is a real one every Python install carries: the sections of the Python language
 reference in `pydoc_data.topics`.
@@ -22,19 +25,17 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarking.compare import machine
 from pagedllm.benchmarking.throughput import print_result
-from pagedllm.core.request import Request
-from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.layers.cpu_kernels import cpu_summary
+from pagedllm.testing.hf_reference import negative_log_likelihood
 
 # What each comparison runs: the baseline first, then the variant measured against it.
 VARIANTS = {
     "weights": [("dequantized", {"weights": "dequantized"}), ("native", {"weights": "native"})],
     "kv-cache-dtype": [("float32", {"kv_cache_dtype": "float32"}), ("float16", {"kv_cache_dtype": "float16"})],
+    "kv-cache-float8": [("default", {"kv_cache_dtype": "auto"}), ("float8_e4m3", {"kv_cache_dtype": "float8_e4m3"})],
 }
 
 
@@ -43,29 +44,6 @@ def sections() -> list[str]:
     import pydoc_data.topics
 
     return sorted(pydoc_data.topics.topics.values(), key=len, reverse=True)
-
-
-@torch.inference_mode()
-def negative_log_likelihood(llm: LLM, ids: list[int], chunk: int) -> float:
-    """Summed -log p(token | the tokens before it) over ids[1:], through the paged cache in chunks."""
-    engine, runner = llm.engine, llm.engine.runner
-    request_id = "perplexity"
-    if engine.kv_cache.allocate_slots(request_id, len(ids)) is None:
-        raise RuntimeError("no room in the KV cache")
-    total = 0.0
-    try:
-        request = Request(request_id, ids, SamplingParams())
-        for start in range(0, len(ids) - 1, chunk):
-            count = min(chunk, len(ids) - 1 - start)
-            scheduled = ScheduledRequest(request, start, count, engine.kv_cache.block_table(request_id), True)
-            step = runner.prepare([scheduled])
-            hidden = runner.model(step.input_ids, step.positions, runner.layer_caches, step.meta)
-            logits = runner.model.compute_logits(hidden).float()
-            targets = torch.tensor(ids[start + 1 : start + 1 + count])
-            total += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
-    finally:
-        engine.kv_cache.free(request_id)
-    return total
 
 
 def main() -> None:
@@ -82,6 +60,7 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {}
     nll: dict[str, float] = {}
     scored_tokens = 0
+    kv_dtypes: dict[str, str] = {}
     (base, _), (variant, _) = VARIANTS[args.compare]
     for label, settings in VARIANTS[args.compare]:
         llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB", **settings)
@@ -93,6 +72,7 @@ def main() -> None:
         nll[label] = sum(negative_log_likelihood(llm, ids, 16) for ids in documents)
         scored_tokens = sum(len(ids) - 1 for ids in documents)
         dtype = str(llm.engine.dtype).removeprefix("torch.")
+        kv_dtypes[label] = str(llm.engine.kv_dtype).removeprefix("torch.")
         llm.shutdown()
     same = leading = 0
     for a, b in zip(outputs[variant], outputs[base]):
@@ -104,6 +84,7 @@ def main() -> None:
         "model": args.model,
         "compare": args.compare,
         "dtype": dtype,
+        "kv_cache_dtypes": kv_dtypes,
         "cpu": cpu_summary(),
         "machine": machine(),
         "prompts": args.prompts,

@@ -66,8 +66,10 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "element type of the KV cache; auto: float16 beside float32 on the CPU with the C++ attention kernels "
-        "(half the bytes per token), else the model's dtype; float16 is taken beside float32 on the CPU only",
-        choices=("auto", "float16", "float32", "bfloat16"),
+        "(half the bytes per token), else the model's dtype; float16 is taken beside float32 on the CPU only; "
+        "float8_e4m3 (or fp8): one byte per value, beside either dtype on the CPU with the C++ attention "
+        "kernels (twice the tokens of a bfloat16 cache in the same memory, values rounded to 3 mantissa bits)",
+        choices=("auto", "float16", "float32", "bfloat16", "float8_e4m3", "fp8"),
     )
     block_size: int = setting(16, "tokens per KV block", kind="int")
     kv_cache_memory: int | str | None = setting(

@@ -67,7 +67,14 @@ def generate_both_ways(llm: LLM, prompts, params):
 
 
 @pytest.mark.parametrize(
-    "dtype,kv_cache_dtype", [("float32", "float16"), ("float32", "float32"), ("bfloat16", "bfloat16")]
+    "dtype,kv_cache_dtype",
+    [
+        ("float32", "float16"),
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float32", "float8_e4m3"),
+        ("bfloat16", "float8_e4m3"),
+    ],
 )
 def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, kv_cache_dtype, monkeypatch):
     kernels = load_cpu_kernels()
@@ -79,7 +86,8 @@ def test_fused_decode_matches_the_layer_loop_bit_for_bit(tiny_llama, dtype, kv_c
         kv_cache_memory="32MiB",
         enable_prefix_caching=False,
     )
-    assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
+    cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "float8_e4m3" else getattr(torch, kv_cache_dtype)
+    assert llm.engine.runner.kv_caches[0].dtype == cache_dtype
     model = llm.engine.runner.model
     if kernels.packed_gemm_max_rows[getattr(torch, dtype)] == 0:  # bfloat16 without AVX512-BF16
         assert model.fused_decode is None

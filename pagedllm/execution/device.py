@@ -54,22 +54,35 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# An 8-bit cache: float8 e4m3 (torch.float8_e4m3fn), written rounded to nearest and saturated at
+# +-448, read by the C++ attention kernels only.
+FLOAT8_NAMES = ("float8_e4m3", "fp8")
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: str, cpp_attention: bool) -> torch.dtype:
     """The KV cache's element type: the model's dtype, or float16 beside float32 on the CPU (`auto`
     takes it where the C++ attention kernels run: they read float16 keys and values in registers,
-    so attention reads half the bytes; the torch paths convert whole blocks first)."""
+    so attention reads half the bytes; the torch paths convert whole blocks first), or float8 e4m3
+    beside either dtype where the C++ attention kernels run (asked for, never `auto`: it rounds
+    every key and value to 3 mantissa bits)."""
     half_fits = dtype == torch.float32 and device == "cpu"
     if name == "auto":
         return torch.float16 if half_fits and cpp_attention else dtype
+    model = str(dtype).removeprefix("torch.")
+    if name in FLOAT8_NAMES:
+        if device == "cpu" and cpp_attention:
+            return torch.float8_e4m3fn
+        where = "on the CPU" if device == "cpu" else f"on {device}"
+        raise ValueError(
+            f"kv_cache_dtype {name} runs on the CPU with the C++ attention kernels only (--attention auto or cpp), "
+            f"not {where} with these settings"
+        )
     wanted = _DTYPES[name]
     if wanted == dtype or (wanted == torch.float16 and half_fits):
         return wanted
-    model = str(dtype).removeprefix("torch.")
     raise ValueError(
         f"kv_cache_dtype {name} does not run beside a {model} model on {device}: the KV cache holds the "
-        f"model's dtype ({model}), or float16 beside float32 on the CPU"
+        f"model's dtype ({model}), or float16 beside float32 on the CPU, or float8_e4m3 on the CPU"
     )
 
 

@@ -220,7 +220,8 @@ class ModelRunner:
         pairs = self.to_device(torch.tensor(copies, dtype=torch.int64))
         src, dst = pairs[:, 0], pairs[:, 1]
         for cache in self.kv_caches:  # one gather-scatter per layer for all the step's copies
-            cache[:, dst] = cache[:, src]
+            raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache  # no float8 index_put
+            raw[:, dst] = raw[:, src]
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run a scheduled step (on rank 0 under tensor parallelism) and sample."""

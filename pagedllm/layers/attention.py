@@ -58,9 +58,12 @@ def sdpa_min_prompt(dtype: torch.dtype, kernels: CpuKernels, head_dim: int) -> i
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.view(-1, kv_heads, head_dim).to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.view(-1, kv_heads, head_dim).to(kv_cache.dtype))
+    # A float8 cache is written through its bytes (torch has no index_copy_ for float8; its
+    # conversion rounds to nearest and saturates, as the C++ kernels' does).
+    raw = torch.uint8 if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.dtype
+    flat = kv_cache.view(raw).view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.view(-1, kv_heads, head_dim).to(kv_cache.dtype).view(raw))
+    flat[1].index_copy_(0, slot_mapping, v.view(-1, kv_heads, head_dim).to(kv_cache.dtype).view(raw))
 
 
 def reference_attention(

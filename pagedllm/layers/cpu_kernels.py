@@ -60,11 +60,13 @@ _F32, _BF16 = (torch.float32,), (torch.bfloat16,)
 # float32 activations over a float16 KV cache: the kernels that touch the cache have a version for
 # the pair (`f32_f16kv`), keyed by (activation dtype, cache dtype); see kernel_key.
 _F16KV = ((torch.float32, torch.float16),)
+# float32 or bfloat16 activations over a float8 e4m3 KV cache (`f32_f8kv`, `bf16_f8kv`).
+_F8KV = ((torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn))
 _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symbol for)
-    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV),
-    "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV),
+    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV + _F8KV),
+    "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV + _F8KV),
     "add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], _F32 + _BF16),
-    "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16 + _F16KV),
+    "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16 + _F16KV + _F8KV),
     "silu_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gelu_tanh_mul": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "gemma_norm": ([_P] * 3 + [_I] * 4 + [_F], _F32 + _BF16),
@@ -72,15 +74,24 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
-    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16 + _F16KV),
+    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16 + _F16KV + _F8KV),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
     "dequantize_blocked": ([_P] * 3 + [_I] * 5 + [_P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
 }
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", _F16KV[0]: "f32_f16kv"}
+_SUFFIX = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    _F16KV[0]: "f32_f16kv",
+    _F8KV[0]: "f32_f8kv",
+    _F8KV[1]: "bf16_f8kv",
+}
 # The KV cache dtypes the kernels take beside each activation dtype (the first: the same dtype).
-KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16), torch.bfloat16: (torch.bfloat16,)}
+KV_CACHE_DTYPES = {
+    torch.float32: (torch.float32, torch.float16, torch.float8_e4m3fn),
+    torch.bfloat16: (torch.bfloat16, torch.float8_e4m3fn),
+}
 
 
 def kernel_key(dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype | tuple[torch.dtype, torch.dtype]:

@@ -97,3 +97,26 @@ def smollm2_tokenizer():
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@torch.inference_mode()
+def negative_log_likelihood(llm: LLM, ids: list[int], chunk: int) -> float:
+    """Summed -log p(token | the tokens before it) over ids[1:], through the paged cache in chunks."""
+    engine, runner = llm.engine, llm.engine.runner
+    request_id = "perplexity"
+    if engine.kv_cache.allocate_slots(request_id, len(ids)) is None:
+        raise RuntimeError("no room in the KV cache")
+    total = 0.0
+    try:
+        request = Request(request_id, ids, SamplingParams())
+        for start in range(0, len(ids) - 1, chunk):
+            count = min(chunk, len(ids) - 1 - start)
+            scheduled = ScheduledRequest(request, start, count, engine.kv_cache.block_table(request_id), True)
+            step = runner.prepare([scheduled])
+            hidden = runner.model(step.input_ids, step.positions, runner.layer_caches, step.meta)
+            logits = runner.model.compute_logits(hidden).float()
+            targets = torch.tensor(ids[start + 1 : start + 1 + count])
+            total += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+    finally:
+        engine.kv_cache.free(request_id)
+    return total

@@ -14,6 +14,13 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// float8 e4m3 (common.h): each byte sign-extended to 16 bits and shifted left 7, which puts the
+// sign in bit 15 and a copy of it in bit 14 (cleared): a half holding the value times 2^-8.
+inline __m512 load16(const f8* p) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
 
 #if defined(__AVX512BF16__)
 // v rounded to bfloat16 (nearest even) and back to float32.

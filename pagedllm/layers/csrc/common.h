@@ -5,7 +5,10 @@
 // is carried as its 16 bits; conversions round to nearest even, as torch does.  So is
 // IEEE half precision (f16), the element of a 16-bit KV cache beside float32 activations:
 // converted by F16C's instructions where the build has them (every AVX2 CPU), else in
-// plain arithmetic.
+// plain arithmetic.  An 8-bit KV cache holds float8 e4m3 (f8: 1 sign, 4 exponent bits with
+// bias 7, 3 mantissa bits; no infinities, 0x7f/0xff NaN, largest finite 448), as torch's
+// float8_e4m3fn: read through half precision (its bits moved into a half's, times 2^8), written
+// rounded to nearest even and saturated at +-448.
 #pragma once
 
 #include <cmath>
@@ -25,6 +28,9 @@ struct bf16 {
 };
 struct f16 {
   uint16_t bits;
+};
+struct f8 {
+  uint8_t bits;
 };
 
 inline float to_float(float x) { return x; }
@@ -95,6 +101,32 @@ inline f16 from_float<f16>(float x) {
   return f16{static_cast<uint16_t>(sign | (rounded >> 13))};
 }
 #endif
+
+// e4m3's bits in a half's place: sign to bit 15, exponent and mantissa to bits 7-13; the half
+// then holds the value times 2^-8 (normal and subnormal alike).
+inline f16 f8_as_scaled_f16(f8 x) {
+  return f16{static_cast<uint16_t>(((x.bits & 0x80u) << 8) | ((x.bits & 0x7fu) << 7))};
+}
+inline float to_float(f8 x) { return to_float(f8_as_scaled_f16(x)) * 256.f; }
+template <>
+inline f8 from_float<f8>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return f8{0x7f};                       // NaN
+  if (a >= 0x43e00000u) return f8{static_cast<uint8_t>(sign | 0x7eu)};  // |x| >= 448 (inf too): saturated
+  if (a < 0x3c800000u) {  // below 2^-6: a subnormal, in units of 2^-9 (8 of them is 2^-6, encoded 0x08)
+    float f;
+    std::memcpy(&f, &a, sizeof f);
+    return f8{static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(f * 512.f)))};
+  }
+  // Normal: keep 3 mantissa bits, rounding to nearest even (a carry into the exponent is right;
+  // below 448 nothing rounds past it).
+  const uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
+  const uint32_t exponent = (rounded >> 23) - 120u, mantissa = (rounded >> 20) & 7u;
+  return f8{static_cast<uint8_t>(sign | (exponent << 3) | mantissa)};
+}
 
 // Rounds a float to T and back: the value a tensor of dtype T would hold.
 template <typename T>

@@ -109,6 +109,14 @@ inline void load64(const float* p, Regs64& r) {
 inline void load64(const f16* p, Regs64& r) {
   for (int j = 0; j < 4; ++j) r.f[j] = load16(p + 16 * j);
 }
+inline void load64(const f8* p, Regs64& r) {
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(p + 16 * j);
+}
+// As floats whatever T is: a query's form beside a cache that is not bfloat16.
+template <typename T>
+inline void load64_floats(const T* p, Regs64& r) {
+  for (int j = 0; j < 4; ++j) r.f[j] = load16(p + 16 * j);
+}
 inline void load64(const bf16* p, Regs64& r) {
 #if defined(__AVX512BF16__)
   for (int j = 0; j < 2; ++j) r.b[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
@@ -139,7 +147,10 @@ inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float
   alignas(64) __m512 partial[kKeys];
   for (int64_t c = 0; c < D; c += C) {
     Regs64 qr;
-    load64(q + c, qr);
+    if constexpr (std::is_same_v<KV, bf16>)
+      load64(q + c, qr);
+    else
+      load64_floats(q + c, qr);
     for (int64_t i = 0; i < kKeys; ++i) {
       Regs64 kr;
       load64(rows[i] + offset + c, kr);
@@ -254,6 +265,11 @@ inline void unpair_acc(float* acc, int64_t heads) {
 #elif defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const f8* p) {  // as avx512.h's load16 for f8, 8 at a time
+  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+}
 inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -545,6 +561,7 @@ void decode_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, con
 
 using pagedllm::bf16;
 using pagedllm::f16;
+using pagedllm::f8;
 
 // q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
 // head_dim 64, 128 or 256 (the caller checks; another size does nothing).
@@ -572,3 +589,6 @@ PAGEDLLM_DECODE_ATTENTION(f32, float, float)
 PAGEDLLM_DECODE_ATTENTION(bf16, bf16, bf16)
 // float32 queries and outputs over a float16 KV cache (half the bytes a key or value reads).
 PAGEDLLM_DECODE_ATTENTION(f32_f16kv, float, f16)
+// float32 or bfloat16 queries and outputs over a float8 e4m3 KV cache (a quarter or half the bytes).
+PAGEDLLM_DECODE_ATTENTION(f32_f8kv, float, f8)
+PAGEDLLM_DECODE_ATTENTION(bf16_f8kv, bf16, f8)

@@ -114,6 +114,23 @@ struct Kernels_f32_f16kv : Kernels_f32 {
   static constexpr auto decode_attention = paged_decode_attention_f32_f16kv;
 };
 
+// float32 or bfloat16 layers over a float8 e4m3 KV cache.
+#define PAGEDLLM_DECLARE_F8KV(SUFFIX, BASE, T)                                                                   \
+  extern "C" {                                                                                                     \
+  void rope_write_kv_##SUFFIX(const T*, T*, pagedllm::f8*, pagedllm::f8*, const int64_t*, const int64_t*,         \
+                              const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);            \
+  void paged_decode_attention_##SUFFIX(const T*, const pagedllm::f8*, const pagedllm::f8*, T*, const int64_t*,     \
+                                       const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, \
+                                       float, int64_t, int64_t);                                                   \
+  }                                                                                                                \
+  struct Kernels_##SUFFIX : Kernels_##BASE {                                                                       \
+    using KV = pagedllm::f8;                                                                                       \
+    static constexpr auto rope_write_kv = rope_write_kv_##SUFFIX;                                                  \
+    static constexpr auto decode_attention = paged_decode_attention_##SUFFIX;                                      \
+  };
+PAGEDLLM_DECLARE_F8KV(f32_f8kv, f32, float)
+PAGEDLLM_DECLARE_F8KV(bf16_f8kv, bf16, pagedllm::bf16)
+
 namespace pagedllm {
 namespace {
 
@@ -336,3 +353,5 @@ PAGEDLLM_API int64_t decode_layers_workspace(const DecodeShape* shape) { return 
 PAGEDLLM_DECODE_LAYERS(f32, float)
 PAGEDLLM_DECODE_LAYERS(bf16, bf16)
 PAGEDLLM_DECODE_LAYERS(f32_f16kv, float)
+PAGEDLLM_DECODE_LAYERS(f32_f8kv, float)
+PAGEDLLM_DECODE_LAYERS(bf16_f8kv, bf16)

@@ -201,3 +201,15 @@ PAGEDLLM_API void rope_write_kv_f32_f16kv(const float* qkv, float* q_out, pagedl
   pagedllm::rope_write_kv<float, pagedllm::f16>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads,
                                                 kv_heads, head_dim, rotary_dim);
 }
+
+// float32 or bfloat16 q, and K/V rows rounded once into a float8 e4m3 KV cache.
+#define PAGEDLLM_ROPE_WRITE_F8KV(SUFFIX, T)                                                                         \
+  PAGEDLLM_API void rope_write_kv_##SUFFIX(const T* qkv, T* q_out, pagedllm::f8* k_cache, pagedllm::f8* v_cache,     \
+                                           const int64_t* positions, const int64_t* slots, const float* cos,        \
+                                           const float* sin, int64_t tokens, int64_t heads, int64_t kv_heads,       \
+                                           int64_t head_dim, int64_t rotary_dim) {                                  \
+    pagedllm::rope_write_kv<T, pagedllm::f8>(qkv, q_out, k_cache, v_cache, positions, slots, cos, sin, tokens, heads, \
+                                             kv_heads, head_dim, rotary_dim);                                       \
+  }
+PAGEDLLM_ROPE_WRITE_F8KV(f32_f8kv, float)
+PAGEDLLM_ROPE_WRITE_F8KV(bf16_f8kv, bf16)

@@ -486,6 +486,7 @@ void prefill_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, co
 
 using pagedllm::bf16;
 using pagedllm::f16;
+using pagedllm::f8;
 
 // q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
 // head_dim 64, 128 or 256 (the caller checks; another size does nothing).
@@ -513,3 +514,5 @@ using pagedllm::f16;
 PAGEDLLM_PREFILL_ATTENTION(f32, float, float)
 PAGEDLLM_PREFILL_ATTENTION(bf16, bf16, bf16)
 PAGEDLLM_PREFILL_ATTENTION(f32_f16kv, float, f16)  // float32 queries over a float16 KV cache
+PAGEDLLM_PREFILL_ATTENTION(f32_f8kv, float, f8)    // float32 or bfloat16 queries over a float8 e4m3 one
+PAGEDLLM_PREFILL_ATTENTION(bf16_f8kv, bf16, f8)
