@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sampling_params import StructuredOutput
@@ -68,17 +69,35 @@ def grounded_chats(num: int, chars: int = 3600) -> list[list[dict]]:
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags().split(), reason="bfloat16 is emulated on this CPU class")
 def test_greedy_tokens_equal_in_bfloat16_batches():
-    # In bfloat16 with AMX the GGUF's projections change kernels past 16 rows (integer kernels,
-    # then AMX tiles): a batch of 8 whose drafts took it past 16 rows differed in 2-7 of 8
-    # requests (7 of 8 with speculative_exact=False).  Drafts now stay within the range the step is in.
+    """In bfloat16 with AMX the GGUF's projections change kernels past 16 rows (integer kernels,
+    then AMX tiles): a batch of 8 whose drafts took it past 16 rows differed in 2-7 of 8 requests
+    (7 of 8 with speculative_exact=False).  Drafts now stay within the range the step is in, and at
+    most one request may leave the plain run's tokens, at a near tie: a verified draft's rows run
+    the prompt attention kernel where the plain run decodes them one at a time, a different sum
+    order, and bfloat16 logits near 20 are 0.125 apart.  How many drafts a step takes follows
+    measured step times, so which request meets such a tie changes from run to run."""
+    from pagedllm.testing.hf_reference import our_logits
+
     params = SamplingParams(temperature=0, max_tokens=128)
     chats = grounded_chats(8)
     plain = LLM(dtype="bfloat16", kv_cache_memory="512MiB")
-    expected = tokens(plain.chat(chats, params))
-    del plain
+    plain_outputs = plain.chat(chats, params)
     spec = LLM(dtype="bfloat16", speculative="suffix", kv_cache_memory="512MiB")
-    assert tokens(spec.chat(chats, params)) == expected
+    spec_outputs = spec.chat(chats, params)
     assert spec.engine.speculation.stats.mean_accepted_length > 2
+    del spec
+    diverged = []  # (request, token index, ours, the plain run's)
+    for index, (ours, theirs) in enumerate(zip(tokens(spec_outputs), tokens(plain_outputs))):
+        i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if i is not None:
+            diverged.append((index, i, ours[i], theirs[i]))
+    assert len(diverged) <= 1, f"{len(diverged)} of 8 requests left the plain run's tokens: {diverged}"
+    for index, i, ours, theirs in diverged:
+        ids = list(plain_outputs[index].prompt_token_ids) + tokens(plain_outputs)[index][:i]
+        with torch.inference_mode():
+            logits = our_logits(plain, ids)[-1].float()
+        gap = float(logits[theirs] - logits[ours])
+        assert gap <= 0.25, f"request {index}, token {i}: {ours} where the plain run picks {theirs} by {gap:.3f}"
 
 
 def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, method):
