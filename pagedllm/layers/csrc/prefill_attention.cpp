@@ -442,6 +442,39 @@ void prefill_item(const T* q, const KV* k_cache, const KV* v_cache, T* out, cons
     }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 queries over a float8 cache: the item's visible K and V rows of head h converted to
+// bfloat16 (exact: e4m3 values are bfloat16 values) into per-thread copies laid out as the cache
+// is, through a block table of its own, then the bfloat16 paths (AMX or AVX512-BF16) as they are.
+template <int64_t D>
+void prefill_item_f8(const bf16* q, const f8* k_cache, const f8* v_cache, bf16* out, const int64_t* table,
+                     int64_t row0, int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size,
+                     int64_t kv_heads, int64_t group, int64_t h, float scale, bool amx, std::vector<float>& buf) {
+  thread_local std::vector<bf16> k_rows, v_rows;
+  thread_local std::vector<int64_t> own_table;
+  const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t end = first_pos + num_tokens, first_block = k_lo / block_size;
+  const int64_t blocks = (end + block_size - 1) / block_size;
+  own_table.resize(blocks);
+  for (int64_t j = first_block; j < blocks; ++j) own_table[j] = j - first_block;
+  const size_t elements = static_cast<size_t>((blocks - first_block) * block_size * kv_heads * D);
+  if (k_rows.size() < elements) k_rows.resize(elements), v_rows.resize(elements);
+  for (int64_t pos = k_lo; pos < end; ++pos) {
+    const int64_t at = ((pos - first_block * block_size) * kv_heads + h) * D;
+    const f8* k = head_row<D>(k_cache, table, pos, block_size, kv_heads, h);
+    const f8* v = head_row<D>(v_cache, table, pos, block_size, kv_heads, h);
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh kb = _mm512_cvtne2ps_pbh(load16(k + d + 16), load16(k + d));
+      const __m512bh vb = _mm512_cvtne2ps_pbh(load16(v + d + 16), load16(v + d));
+      _mm512_storeu_si512(k_rows.data() + at + d, (__m512i)kb);
+      _mm512_storeu_si512(v_rows.data() + at + d, (__m512i)vb);
+    }
+  }
+  prefill_item<D>(q, k_rows.data(), v_rows.data(), out, own_table.data(), row0, first_pos, num_tokens, window,
+                  block_size, kv_heads, group, h, scale, amx, buf);
+}
+#endif
+
 template <int64_t D, typename T, typename KV>
 void prefill_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* query_starts,
                     const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_tables,
@@ -456,7 +489,7 @@ void prefill_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, co
         items.push_back({b, h, t, std::min(tokens_per_item, query_lens[b] - t)});
   const int64_t num_items = static_cast<int64_t>(items.size());
 #if defined(PAGEDLLM_AMX)
-  const bool amx = std::is_same_v<KV, bf16> && amx_granted();
+  const bool amx = std::is_same_v<T, bf16> && !std::is_same_v<KV, float> && amx_granted();
 #else
   const bool amx = false;
 #endif
@@ -471,6 +504,13 @@ void prefill_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, co
       const Item& it = items[i];
       const int64_t b = it.request;
       const int64_t first_pos = seq_lens[b] - query_lens[b] + it.first_token;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<KV, f8>) {
+        prefill_item_f8<D>(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
+                           first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, amx, buf);
+        continue;
+      }
+#endif
       prefill_item<D>(q, k_cache, v_cache, out, block_tables + b * max_blocks, query_starts[b] + it.first_token,
                    first_pos, it.num_tokens, window, block_size, kv_heads, group, it.head, scale, amx, buf);
     }
