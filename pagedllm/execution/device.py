@@ -72,10 +72,10 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: str, cpp_atten
     if name in FLOAT8_NAMES:
         if device == "cpu" and cpp_attention:
             return torch.float8_e4m3fn
-        where = "on the CPU" if device == "cpu" else f"on {device}"
+        where = "with the torch attention path" if device == "cpu" else f"on {device}"
         raise ValueError(
             f"kv_cache_dtype {name} runs on the CPU with the C++ attention kernels only (--attention auto or cpp), "
-            f"not {where} with these settings"
+            f"not {where}"
         )
     wanted = _DTYPES[name]
     if wanted == dtype or (wanted == torch.float16 and half_fits):
