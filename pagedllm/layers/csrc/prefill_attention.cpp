@@ -446,6 +446,9 @@ void prefill_item(const T* q, const KV* k_cache, const KV* v_cache, T* out, cons
 // bfloat16 queries over a float8 cache: the item's visible K and V rows of head h converted to
 // bfloat16 (exact: e4m3 values are bfloat16 values) into per-thread copies laid out as the cache
 // is, through a block table of its own, then the bfloat16 paths (AMX or AVX512-BF16) as they are.
+// The copies keep every KV head's room (only head h is written or read) and stay allocated per
+// thread at the longest context seen: 2 x 2 bytes x kv_heads x head_dim a token (SmolLM2: 768 B).
+// PAGEDLLM_AMX implies AVX512-BF16 (amx.h), so `amx` is never set for float8 without this path.
 template <int64_t D>
 void prefill_item_f8(const bf16* q, const f8* k_cache, const f8* v_cache, bf16* out, const int64_t* table,
                      int64_t row0, int64_t first_pos, int64_t num_tokens, int64_t window, int64_t block_size,
