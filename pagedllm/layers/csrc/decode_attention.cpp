@@ -327,6 +327,39 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
 #endif
 
 #if defined(__AVX2__)  // AVX-512's head_scores and tile_values, or AVX2's
+// The form a float8 cache's keys are widened to, once per tile and KV head, before the group's
+// query heads read them: bfloat16 (exact for every float8 value) where bfloat16 queries take
+// `vdpbf16ps`, else float32.  Widening inside head_scores repeated the conversion for each
+// query head of the group and made float8 scores 2.7x bfloat16's compute (SmolLM2's heads).
+#if defined(__AVX512BF16__)
+template <typename T>
+using WideKey = std::conditional_t<std::is_same_v<T, bf16>, bf16, float>;
+#else
+template <typename T>
+using WideKey = float;
+#endif
+
+// rows[i] + offset, D float8 values each, into out[i].
+template <int64_t D, typename Out>
+inline void widen_keys(const f8* const* rows, int64_t offset, Out (*out)[D]) {
+  for (int64_t i = 0; i < kKeys; ++i) {
+    const f8* k = rows[i] + offset;
+#if defined(__AVX512F__)
+    for (int64_t d = 0; d < D; d += 16) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<Out, bf16>) {
+        store_bf16x16(out[i] + d, load16(k + d));
+        continue;
+      }
+#endif
+      if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(out[i] + d, load16(k + d));
+    }
+#else
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out[i] + d, load8(k + d));
+#endif
+  }
+}
+
 // Scores of every query head against one tile of keys, KV head by KV head, asking for each
 // head's slice of the `next` tile's rows (if any).
 template <int64_t D, typename T, typename KV>
@@ -335,8 +368,18 @@ inline void tile_scores(const T* q, const KV* const* rows, int64_t t0, int64_t k
   constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
-    for (int64_t head = h * group; head < (h + 1) * group; ++head)
-      head_scores<D>(q + head * D, rows, h * D, scale, scores + head * ld + t0);
+    if constexpr (std::is_same_v<KV, f8>) {
+      using W = WideKey<T>;
+      alignas(64) W wide[kKeys][D];
+      const W* wide_rows[kKeys];
+      widen_keys<D>(rows, h * D, wide);
+      for (int64_t i = 0; i < kKeys; ++i) wide_rows[i] = wide[i];
+      for (int64_t head = h * group; head < (h + 1) * group; ++head)
+        head_scores<D>(q + head * D, wide_rows, 0, scale, scores + head * ld + t0);
+    } else {
+      for (int64_t head = h * group; head < (h + 1) * group; ++head)
+        head_scores<D>(q + head * D, rows, h * D, scale, scores + head * ld + t0);
+    }
   }
 }
 
