@@ -55,6 +55,34 @@ def test_float8_cache_matches_plain_attention_on_the_rounded_values(dtype, head_
         check_float8_cache(cpp_attention, dtype, head_dim, window, shapes, seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_every_float8_key_exactly(dtype):
+    """Each of the 254 non-NaN float8 bytes as a key, 16 keys a request (one block): q is c * e_0,
+    c a power of two that keeps |c * k| <= 8, and key i's value e_i, so the output's first 16 dims
+    are the softmax of c * k.  A key read wrongly (a subnormal taken as a normal, a lost sign, a
+    scrambled dim) moves its weight by far more than bfloat16's rounding."""
+    kernels = load_cpu_kernels()
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(F8).float().isnan()]
+    codes = torch.cat([codes, codes[: (-codes.numel()) % 16]])  # whole requests of 16
+    reqs, d = codes.numel() // 16, 64
+    keys = codes.view(F8).float().reshape(reqs, 16)
+    k_cache = torch.zeros(reqs, 16, 1, d, dtype=torch.uint8)
+    k_cache[:, :, 0, 0] = codes.reshape(reqs, 16)
+    v_cache = torch.zeros(reqs, 16, 1, d)
+    v_cache[:, :, 0, :16] = torch.eye(16)
+    scale = 2.0 ** torch.floor(torch.log2(8 / keys.abs().amax(1).clamp_min(2**-9)))
+    q = torch.zeros(reqs, 1, d)
+    q[:, 0, 0] = scale
+    out = torch.zeros(reqs, 1, d, dtype=dtype)
+    kernels.paged_decode_attention(
+        q.to(dtype), k_cache.view(F8), v_cache.to(F8), out, torch.arange(reqs), torch.full((reqs,), 16),
+        torch.arange(reqs).reshape(reqs, 1), 1.0,
+    )  # fmt: skip
+    expected = torch.softmax((keys.double() * scale.double().unsqueeze(1)), dim=1)
+    torch.testing.assert_close(out[:, 0, :16].double(), expected, atol=4e-3, rtol=0)
+
+
 def float8_write_cases() -> torch.Tensor:
     """Every finite e4m3 value, the midpoints between neighbours (ties to even), values past the
     range, subnormals and below, signed zeros, and random ones."""

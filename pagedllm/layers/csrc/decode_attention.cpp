@@ -339,9 +339,63 @@ template <typename T>
 using WideKey = float;
 #endif
 
-// rows[i] + offset, D float8 values each, into out[i].
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define PAGEDLLM_F8_LOOKUP 1
+// float8 to bfloat16 by table, 64 values in 6 instructions (against 7 per 16 through half
+// precision): `vpermi2b` looks up the high and the low byte of each magnitude's bfloat16 in
+// 128-entry tables (its index ignores bit 7, the sign, which is put back into the high byte), and
+// byte unpacks join them.  The unpacks work within 128-bit lanes, so 64 values come out in the
+// order of kLookupOrder; the queries the keys meet are put in the same order (lookup_order).
+struct F8Tables {
+  __m512i hi[2], lo[2];
+};
+inline const F8Tables& f8_tables() {
+  static const F8Tables tables = [] {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int m = 0; m < 128; ++m) {
+      const bf16 b = from_float<bf16>(to_float(f8{static_cast<uint8_t>(m)}));
+      hi[m] = static_cast<uint8_t>(b.bits >> 8);
+      lo[m] = static_cast<uint8_t>(b.bits & 0xff);
+    }
+    return F8Tables{{_mm512_load_si512(hi), _mm512_load_si512(hi + 64)}, {_mm512_load_si512(lo), _mm512_load_si512(lo + 64)}};
+  }();
+  return tables;
+}
+
+// Output position j of 64 holds input value kLookupOrder(j): [0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, 40-47, 56-63].
+constexpr int64_t lookup_source(int64_t j) { return j < 32 ? 16 * (j / 8) + j % 8 : 16 * ((j - 32) / 8) + 8 + j % 8; }
+
+inline void widen64_lookup(const f8* p, bf16* out, const F8Tables& t) {
+  const __m512i b = _mm512_loadu_si512(p);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], b, t.hi[1]), b,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | (b & 0x80)
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], b, t.lo[1]);
+  _mm512_storeu_si512(out, _mm512_unpacklo_epi8(lo, hi));
+  _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi8(lo, hi));
+}
+
+// Every head's query [heads, D] with each 64 dims in the lookup's order, into out.
+template <int64_t D>
+inline const bf16* lookup_order(const bf16* q, int64_t heads, std::vector<bf16>& out) {
+  out.resize(static_cast<size_t>(heads * D));
+  for (int64_t i = 0; i < heads * D; i += 64)
+    for (int64_t j = 0; j < 64; ++j) out[i + j] = q[i + lookup_source(j)];
+  return out.data();
+}
+#endif
+
+// rows[i] + offset, D float8 values each, into out[i] (with PAGEDLLM_F8_LOOKUP and bfloat16
+// out, each 64 in the lookup's order).
 template <int64_t D, typename Out>
 inline void widen_keys(const f8* const* rows, int64_t offset, Out (*out)[D]) {
+#if defined(PAGEDLLM_F8_LOOKUP)
+  if constexpr (std::is_same_v<Out, bf16>) {
+    const F8Tables& tables = f8_tables();
+    for (int64_t i = 0; i < kKeys; ++i)
+      for (int64_t d = 0; d < D; d += 64) widen64_lookup(rows[i] + offset + d, out[i] + d, tables);
+    return;
+  }
+#endif
   for (int64_t i = 0; i < kKeys; ++i) {
     const f8* k = rows[i] + offset;
 #if defined(__AVX512F__)
@@ -476,10 +530,15 @@ void decode_span(const T* q, const KV* k_cache, const KV* v_cache, const int64_t
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(KV));
   RowWalker<KV> keys_ahead(k_cache, table, start, end, block_size, row);
   if (keys_ahead.next(ahead) > 0) prefetch_rows(ahead, row_bytes);  // the first tile
+  const T* q_scores = q;
+#if defined(PAGEDLLM_F8_LOOKUP)
+  static thread_local std::vector<bf16> reordered;
+  if constexpr (std::is_same_v<KV, f8> && std::is_same_v<T, bf16>) q_scores = lookup_order<D>(q, heads, reordered);
+#endif
   for (int64_t t0 = 0; t0 < len; t0 += kKeys) {
     keys.next(rows);
     const bool more = keys_ahead.next(ahead) > 0;
-    tile_scores<D>(q, rows, t0, kv_heads, group, scale, scores, ld, more ? ahead : nullptr);
+    tile_scores<D>(q_scores, rows, t0, kv_heads, group, scale, scores, ld, more ? ahead : nullptr);
   }
   RowWalker<KV> values(v_cache, table, start, end, block_size, row);
   RowWalker<KV> values_ahead(v_cache, table, start, end, block_size, row);
