@@ -10,14 +10,14 @@ for its tuning); pagedllm/benchmarking/peers.py runs it as its CPU docs recommen
 Each round starts each engine in a fresh process (start-up timed, compilation included), runs
 the same warm-up (the first 4 prompts reversed, 16 tokens each: nothing of it is in a prefix
 cache for the timed run), then the whole workload at once, timed: token-id prompts, greedy, EOS
-ignored, the same dtype (`auto`: bfloat16 where the CPU has AVX512-BF16, else float32), the same
-KV cache size and maximum length, prefix caching on in both (each engine's default), vLLM's
-compiled model path (no `enforce_eager`).  Rounds alternate which engine goes first.  The JSON
-has every run, the median with min and max of each figure, the per-round ratio, the machine,
-both versions and both engines' full settings; vLLM's log of each run goes beside it, and
-whether its compile cache loaded (vLLM 0.32 with torch 2.13 fails to load its AOT-compiled
-graph and compiles again at every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the
-other path).
+ignored, the same dtype (`auto`: bfloat16 where the CPU has AVX512-BF16, else float32), the
+same KV cache size, element type (`--kv-cache-dtype`, default each engine's `auto`) and maximum
+length, prefix caching on in both (each engine's default), vLLM's compiled model path (no
+`enforce_eager`). Rounds alternate which engine goes first. The JSON has every run, the median
+with min and max of each figure, the per-round ratio, the machine, both versions and both
+engines' full settings; vLLM's log of each run goes beside it, and whether its compile cache
+loaded (vLLM 0.32 with torch 2.13 fails to load its AOT-compiled graph and compiles again at
+every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the other path).
 
 Results go to bench-results/ (ignored by git) unless --output says otherwise.
 """
@@ -41,6 +41,9 @@ from pagedllm.execution.device import resolve_dtype
 from pagedllm.models.loader import BUNDLED_MODELS
 
 FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
+# --kv-cache-dtype: pagedllm's name -> vLLM's (both e4m3, scale 1: vLLM scales by 1.0 unless the
+# checkpoint has calibrated scales, which these models do not)
+VLLM_KV_CACHE_DTYPES = {"auto": "auto", "float8_e4m3": "fp8_e4m3"}
 
 
 def main() -> int:
@@ -54,6 +57,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="4GiB", help="both engines' KV cache (vLLM: whole GiB)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=sorted(VLLM_KV_CACHE_DTYPES),
+        help="both engines' KV cache element (float8_e4m3: vLLM's fp8_e4m3)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts both engines afresh")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra vLLM variables")
     parser.add_argument("--untuned", action="store_true", help="vLLM without its CPU tuning (a check, not a peer)")
@@ -71,11 +80,18 @@ def main() -> int:
     warmup = warmup_requests(requests)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
     kv_bytes = parse_bytes(args.kv_cache_memory)
-    config = EngineConfig(model=args.model, dtype=dtype, kv_cache_memory=kv_bytes, max_model_len=args.max_model_len)
+    config = EngineConfig(
+        model=args.model,
+        dtype=dtype,
+        kv_cache_memory=kv_bytes,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     extra = dict(item.split("=", 1) for item in args.vllm_env)
     env = vllm_env(args.vllm_python, kv_bytes, tuned=not args.untuned, extra=extra)
     vllm_run = {"workload": str(Path(args.workload).resolve()), "num_requests": len(requests), "model": str(model),
-                "dtype": dtype, "max_model_len": args.max_model_len, "warmup": warmup}  # fmt: skip
+                "dtype": dtype, "max_model_len": args.max_model_len, "warmup": warmup,
+                "kv_cache_dtype": VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype]}  # fmt: skip
     logs, vllm_round = Path(args.output).with_suffix(""), itertools.count(1)
 
     def run_vllm() -> dict:  # vLLM's log of each run beside the results: settings, compilation, KV size

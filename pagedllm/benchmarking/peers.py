@@ -34,7 +34,8 @@ VLLM_OFFLINE_RUNNER = textwrap.dedent(
     args = json.loads(sys.argv[1])
     requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
     begin = time.perf_counter()
-    llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0)
+    llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0,
+              kv_cache_dtype=args.get("kv_cache_dtype", "auto"))
     startup = time.perf_counter() - begin
 
     def run(items):
