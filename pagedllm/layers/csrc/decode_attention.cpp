@@ -11,7 +11,8 @@
 // exact softmax, and the weighted sum of values.  The scores of a tile's keys are computed
 // together, their horizontal sums done at once by a transpose tree (16 keys with AVX-512, 8
 // with AVX2); with AVX512-BF16 bfloat16 rows go straight into `vdpbf16ps` without conversion;
-// the value sums stay in registers for a tile.  Without AVX2 the same loops are left to the
+// the value sums stay in registers for a tile.  A float8 cache's keys are widened once per tile
+// and KV head (WideKey) for the group's query heads to share.  Without AVX2 the same loops are left to the
 // compiler's vectorizer (on AVX2 its code summed each key's lanes apart: the intrinsics measured
 // 1.3-1.4x faster on a 257-key context held in cache, one thread, float32, AMD EPYC).  The scores
 // are computed KV head by KV head, one query head at a time (the tile's keys come from L1 for
@@ -344,8 +345,9 @@ using WideKey = float;
 // float8 to bfloat16 by table, 64 values in 6 instructions (against 7 per 16 through half
 // precision): `vpermi2b` looks up the high and the low byte of each magnitude's bfloat16 in
 // 128-entry tables (its index ignores bit 7, the sign, which is put back into the high byte), and
-// byte unpacks join them.  The unpacks work within 128-bit lanes, so 64 values come out in the
-// order of kLookupOrder; the queries the keys meet are put in the same order (lookup_order).
+// byte unpacks join them.  The unpacks work within 128-bit lanes, so 64 values come out in
+// another order (lookup_source); the queries the keys meet are put in the same order
+// (lookup_order), and a dot product does not depend on it.
 struct F8Tables {
   __m512i hi[2], lo[2];
 };
@@ -357,13 +359,17 @@ inline const F8Tables& f8_tables() {
       hi[m] = static_cast<uint8_t>(b.bits >> 8);
       lo[m] = static_cast<uint8_t>(b.bits & 0xff);
     }
-    return F8Tables{{_mm512_load_si512(hi), _mm512_load_si512(hi + 64)}, {_mm512_load_si512(lo), _mm512_load_si512(lo + 64)}};
+    return F8Tables{{_mm512_load_si512(hi), _mm512_load_si512(hi + 64)},
+                    {_mm512_load_si512(lo), _mm512_load_si512(lo + 64)}};
   }();
   return tables;
 }
 
-// Output position j of 64 holds input value kLookupOrder(j): [0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, 40-47, 56-63].
-constexpr int64_t lookup_source(int64_t j) { return j < 32 ? 16 * (j / 8) + j % 8 : 16 * ((j - 32) / 8) + 8 + j % 8; }
+// The input value that position j of widen64_lookup's 64 outputs holds: the outputs are values
+// [0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, 40-47, 56-63].
+constexpr int64_t lookup_source(int64_t j) {
+  return j < 32 ? 16 * (j / 8) + j % 8 : 16 * ((j - 32) / 8) + 8 + j % 8;
+}
 
 inline void widen64_lookup(const f8* p, bf16* out, const F8Tables& t) {
   const __m512i b = _mm512_loadu_si512(p);
@@ -385,7 +391,7 @@ inline const bf16* lookup_order(const bf16* q, int64_t heads, std::vector<bf16>&
 #endif
 
 // rows[i] + offset, D float8 values each, into out[i] (with PAGEDLLM_F8_LOOKUP and bfloat16
-// out, each 64 in the lookup's order).
+// out, each 64 in the lookup's order).  Out is WideKey<T>: bfloat16 only where AVX512-BF16 is.
 template <int64_t D, typename Out>
 inline void widen_keys(const f8* const* rows, int64_t offset, Out (*out)[D]) {
 #if defined(PAGEDLLM_F8_LOOKUP)
