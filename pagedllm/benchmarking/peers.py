@@ -35,7 +35,7 @@ VLLM_OFFLINE_RUNNER = textwrap.dedent(
     requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
     begin = time.perf_counter()
     llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0,
-              kv_cache_dtype=args.get("kv_cache_dtype", "auto"))
+              kv_cache_dtype=args["kv_cache_dtype"])
     startup = time.perf_counter() - begin
 
     def run(items):
