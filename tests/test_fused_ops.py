@@ -162,14 +162,21 @@ def test_bfloat16_packed_gemm_and_the_linear_that_routes_to_it(cpp: CppOps, rows
     assert Linear(torch.ones(4, 5, dtype=torch.bfloat16), "onednn", kernels).small_weight is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 16), (5, 33), (128, 49152), (300, 1000)])
-def test_argmax_rows_matches_torch(cpp: CppOps, shape: tuple[int, int]) -> None:
+def test_argmax_rows_matches_torch(cpp: CppOps, shape: tuple[int, int], dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(shape[1])
-    x = torch.randn(*shape, generator=gen)
-    assert torch.equal(cpp.kernels.argmax_rows(x), x.argmax(dim=-1))
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    assert torch.equal(cpp.kernels.argmax_rows(x), x.float().argmax(dim=-1))
     # Ties: the first index of the largest value, as torch.argmax (rows of few distinct values).
-    ties = torch.randint(0, 3, shape, generator=gen).float()
-    assert torch.equal(cpp.kernels.argmax_rows(ties), ties.argmax(dim=-1))
+    ties = torch.randint(0, 3, shape, generator=gen).to(dtype)
+    assert torch.equal(cpp.kernels.argmax_rows(ties), ties.float().argmax(dim=-1))
+    # The largest value in each lane position in turn, and a maximum repeated in several lanes.
+    for where in range(min(shape[1], 20)):
+        y = torch.zeros(shape, dtype=dtype)
+        y[:, where] = 1
+        y[:, shape[1] - 1 - where] = 1
+        assert torch.equal(cpp.kernels.argmax_rows(y), y.float().argmax(dim=-1))
 
 
 def test_argmax_rows_nan_and_infinities_as_torch() -> None:
@@ -182,10 +189,10 @@ def test_argmax_rows_nan_and_infinities_as_torch() -> None:
     x[4, 70] = x[4, 80] = float("inf")
     x[5, 0] = float("nan")
     short = torch.tensor([[1.0, float("nan"), 5.0], [float("nan"), 1.0, 2.0], [2.0, 9.0, 9.0]])
-    for t in (x, short):
-        assert torch.equal(kernels.argmax_rows(t), t.argmax(dim=-1))
-    with pytest.raises(ValueError, match="float32"):
-        kernels.argmax_rows(x.bfloat16())
+    for t in (x, short, x.bfloat16(), short.bfloat16()):
+        assert torch.equal(kernels.argmax_rows(t), t.float().argmax(dim=-1))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.argmax_rows(x.half())
     with pytest.raises(ValueError, match="cols >= 1"):
         kernels.argmax_rows(torch.empty(2, 0))
     assert kernels.argmax_rows(torch.empty(0, 5)).shape == (0,)

@@ -147,3 +147,50 @@ def test_sampler_with_the_cpp_argmax_picks_what_torch_picks():
     # A non-contiguous view goes to torch's argmax, with the same answer.
     view = logits[:, :40000]
     assert fast(view, params, [None] * 9).token_ids == view.argmax(dim=-1).tolist()
+
+
+def test_sampler_reads_bfloat16_logits_as_their_float32_copy():
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
+
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(5)).bfloat16()
+    logits[1, 10] = logits[1, 4000] = logits[1].max() + 1  # a tie: the first index
+    logits[4, 77] = float("nan")  # no token allowed there: looked at alone, NaN as -inf
+    wide = logits.float()
+    greedy_rows = [SamplingParams(temperature=0.0)] * 6
+    for sampler in (Sampler(seed=0, kernels=load_cpu_kernels()), Sampler(seed=0)):
+        assert sampler(logits, greedy_rows, [None] * 6).token_ids == sampler(wide, greedy_rows, [None] * 6).token_ids
+        # Rows that need more than the argmax get the float32 logits: logprobs, seeded draws.
+        mixed = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, seed=3)] * 3
+        seeds = [None, 11] * 3
+        finite = logits.nan_to_num(nan=0.0)
+        ours, reference = sampler(finite, mixed, seeds), sampler(finite.float(), mixed, seeds)
+        assert ours.token_ids == reference.token_ids and ours.logprobs == reference.logprobs
+
+
+def test_greedy_steps_sample_the_heads_bfloat16_output(monkeypatch):
+    from conftest import assert_no_blocks_held
+
+    from pagedllm import LLM
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB")  # the GGUF's blocks kept, the default
+    runner = llm.engine.runner
+    seen: list[torch.dtype] = []
+    sample = runner.sample
+
+    def spy(logits, rows):
+        seen.append(logits.dtype)
+        return sample(logits, rows)
+
+    monkeypatch.setattr(runner, "sample", spy)
+    prompts = [chat_ids(llm), chat_ids(llm, [{"role": "user", "content": "Name five colours."}])]
+    fast = [o.token_ids for o in llm.generate(prompts, greedy(12))]
+    assert set(seen) == {torch.bfloat16}
+    # A step with a row that asks for logprobs samples float32 logits, as every step did before.
+    seen.clear()
+    with_logprobs = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=1))
+    assert set(seen) == {torch.float32} and with_logprobs[0].token_ids == fast[0][:3]
+    seen.clear()
+    monkeypatch.setattr(runner, "argmax_only", lambda rows: False)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(12))] == fast
+    assert set(seen) == {torch.float32}
+    assert_no_blocks_held(llm)

@@ -230,10 +230,21 @@ class ModelRunner:
             message = self.encoder.encode(chunks, output.block_copies)
             self.tp.broadcast_ints(message)
             self.step_message_bytes += 8 + 4 * len(message)  # the length, then the int32 payload
-        logits = self.run([c for _, c in chunks], output.block_copies)
+        rows = sample_rows(output.scheduled)
+        logits = self.run([c for _, c in chunks], output.block_copies, float32=not self.argmax_only(rows))
         if logits is None:
             return ModelRunnerOutput({}, {})
-        return self.sample(logits, sample_rows(output.scheduled))
+        return self.sample(logits, rows)
+
+    def argmax_only(self, rows: list[SampleRow]) -> bool:
+        """Whether the step's sampling takes only each row's argmax of the raw logits (greedy, no
+        logprobs, penalties, bias or grammar), which the sampler reads in the model's dtype."""
+        if self.structured is not None and self.structured.matchers:
+            return False
+        return all(
+            p.greedy and p.logprobs is None and not p.processes_logits
+            for p in (row.request.sampling_params for row in rows)
+        )
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> ModelRunnerOutput:
         """One token per row, the whole batch at once; when that raises, sequence by sequence, so that
@@ -321,9 +332,12 @@ class ModelRunner:
                 output.logprobs.pop(rid, None)
         return output
 
-    def run(self, chunks: Sequence[Chunk], block_copies: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    def run(
+        self, chunks: Sequence[Chunk], block_copies: Sequence[tuple[int, int]], float32: bool = True
+    ) -> torch.Tensor | None:
         """Every rank's part of a step: copy-on-write copies, the forward pass, the logits of the
-        sampled rows; None where nothing samples, and on ranks other than 0."""
+        sampled rows; None where nothing samples, and on ranks other than 0.  `float32=False`:
+        the logits may stay in the model's dtype (see `compute_logits`)."""
         self.copy_blocks(block_copies)
         if self.graphs is not None:
             logits = self.graphs.run(chunks)
@@ -334,7 +348,7 @@ class ModelRunner:
         if not step.logits_rows.numel():
             return None
         # The logits are sampled before the next step runs, so the head's outputs can reuse buffers.
-        return self.model.compute_logits(hidden.index_select(0, step.logits_rows), self.head_buffers)
+        return self.model.compute_logits(hidden.index_select(0, step.logits_rows), self.head_buffers, float32)
 
     def release(self, request_id: str) -> None:
         """Forget a finished sequence's grammar matcher (and, tensor parallel, the workers' copy of its table)."""

@@ -72,7 +72,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "gemma_norm": ([_P] * 3 + [_I] * 4 + [_F], _F32 + _BF16),
     # bfloat16: a no-op unless built with AVX512-BF16 (`packed_gemm_max_rows[torch.bfloat16]` > 0)
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
-    "argmax_rows": ([_P] * 2 + [_I] * 2, _F32),
+    "argmax_rows": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
     "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16 + _F16KV + _F8KV),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
@@ -486,13 +486,13 @@ class CpuKernels:
         )  # fmt: skip
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """torch.argmax(x, dim=-1) for float32 x [rows, cols] (cols >= 1): the first index of each
-        row's largest value, a NaN counting as the largest (csrc/sampling.cpp)."""
+        """torch.argmax(x, dim=-1) for float32 or bfloat16 x [rows, cols] (cols >= 1): the first index
+        of each row's largest value, a NaN counting as the largest (csrc/sampling.cpp)."""
         _check(x)
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
-            raise ValueError(f"argmax_rows takes float32 [rows, cols >= 1], got {x.dtype} {tuple(x.shape)}")
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError(f"argmax_rows takes float32 or bfloat16 [rows, cols >= 1], got {x.dtype} {tuple(x.shape)}")
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._fn("argmax_rows", torch.float32)(_ptr(x), _ptr(out), x.shape[0], x.shape[1])
+        self._fn("argmax_rows", x.dtype)(_ptr(x), _ptr(out), x.shape[0], x.shape[1])
         return out
 
     def mask_rows(self, x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

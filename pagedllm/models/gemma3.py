@@ -149,9 +149,11 @@ class Gemma3Model(LlamaModel):
         return self.layers[0].q_scale  # every layer's, from the config's query_pre_attn_scalar
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden, buffers)
+    def compute_logits(
+        self, hidden: torch.Tensor, buffers: OutputBuffers | None = None, float32: bool = True
+    ) -> torch.Tensor | None:
         cap = self.config.final_logit_softcapping
+        logits = super().compute_logits(hidden, buffers, float32=float32 or bool(cap))  # capped in float32
         if logits is not None and cap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -395,10 +395,14 @@ class LlamaModel(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(1), 0))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, buffers: OutputBuffers | None = None) -> torch.Tensor | None:
+    def compute_logits(
+        self, hidden: torch.Tensor, buffers: OutputBuffers | None = None, float32: bool = True
+    ) -> torch.Tensor | None:
         """float32 logits [rows, vocab]; under tensor parallelism every rank must call this, and
         only rank 0 gets the logits (the others get None).  With `buffers` (on the CPU) the head
-        writes into tensors reused from call to call, so the logits hold until the next call only."""
+        writes into tensors reused from call to call, so the logits hold until the next call only.
+        `float32=False` (one rank, with `buffers`, no logit scaling): the head's output as it
+        comes, in the model's dtype, for a step that only takes each row's argmax."""
         head = self.lm_head_linear
         if buffers is None or not hidden.is_cpu:
             y = head(hidden).float()
@@ -408,7 +412,8 @@ class LlamaModel(nn.Module):
                 y = head(hidden, out=buffers.take("lm_head", rows, head.out_features, hidden.dtype))
             else:
                 y = head(hidden)
-            if y.dtype != torch.float32:
+            keep = not float32 and self.tp.size == 1 and self.config.logits_scaling == 1.0
+            if y.dtype != torch.float32 and not keep:
                 y = buffers.take("logits", rows, y.shape[1], torch.float32).copy_(y)
         logits = self.tp.gather_columns(y)
         if logits is not None and self.config.logits_scaling != 1.0:

@@ -1,11 +1,16 @@
-// Greedy sampling's argmax over each row of float32 logits, as torch.argmax does it: the
-// first index of the largest value, a NaN counting as larger than anything (the first NaN
-// wins).  torch's own took 3.7 ms for 128 rows x 49,152 on an AVX512-BF16 EPYC, ~7 GB/s;
-// this streams each row once with 16 lanes, each keeping its largest value and the first
-// index that reached it.
+// Greedy sampling's argmax over each row of float32 or bfloat16 logits, as torch.argmax does
+// it: the first index of the largest value, a NaN counting as larger than anything (the first
+// NaN wins).  torch's own took 3.7 ms for 128 rows x 49,152 float32 on an AVX512-BF16 EPYC,
+// ~7 GB/s; this streams each row once with 16 lanes (8 with AVX2), each keeping its largest
+// value and the first index that reached it.  Reading bfloat16 logits as the LM head wrote
+// them spares a greedy step the float32 copy: for 160 rows of Gemma 3's 262,144-token
+// vocabulary the copy and the float32 argmax took 20 ms (AMX Xeon).
 #include <omp.h>
 
 #include "avx512.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace pagedllm {
 namespace {
@@ -24,19 +29,34 @@ inline __mmask16 nan_lanes(__m512 v) {
 }
 #endif
 
-inline int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline bool any_nan(__m256 v) {
+  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+  return !_mm256_testz_si256(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(-1));
+}
+#endif
+
+// T: float, or bfloat16 logits read as they come out of the LM head (each value widened exactly,
+// so the index is the one the float32 copy would give).
+template <typename T>
+inline int64_t argmax_row(const T* x, int64_t n) {
   int64_t i = 0, best = 0;
-  float top = x[0];
+  float top = to_float(x[0]);
 #if defined(__AVX512F__)
   if (n >= 16) {
-    __m512 lane_top = _mm512_loadu_ps(x);
+    __m512 lane_top = load16(x);
     __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i idx = lane_idx;
     const __m512i sixteen = _mm512_set1_epi32(16);
     __mmask16 nan = nan_lanes(lane_top);
     for (i = 16; i + 16 <= n; i += 16) {
       idx = _mm512_add_epi32(idx, sixteen);
-      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 v = load16(x + i);
       nan |= nan_lanes(v);
       const __mmask16 higher = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);  // strict: first index stays
       lane_top = _mm512_mask_mov_ps(lane_top, higher, v);
@@ -44,16 +64,45 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     }
     if (nan) {  // rare: the first NaN, by a plain scan
       for (int64_t j = 0; j < n; ++j)
-        if (is_nan(x[j])) return j;
+        if (is_nan(to_float(x[j]))) return j;
     }
     top = _mm512_reduce_max_ps(lane_top);
     const __mmask16 at_top = _mm512_cmp_ps_mask(lane_top, _mm512_set1_ps(top), _CMP_EQ_OQ);
     best = _mm512_mask_reduce_min_epi32(at_top, lane_idx);
   }
+#elif defined(__AVX2__)
+  if (n >= 8) {  // the same with 8 lanes: each lane's largest value and the first index reaching it
+    __m256 lane_top = load8(x);
+    __m256i lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i idx = lane_idx;
+    const __m256i eight = _mm256_set1_epi32(8);
+    bool nan = any_nan(lane_top);
+    for (i = 8; i + 8 <= n; i += 8) {
+      idx = _mm256_add_epi32(idx, eight);
+      const __m256 v = load8(x + i);
+      nan |= any_nan(v);
+      const __m256 higher = _mm256_cmp_ps(v, lane_top, _CMP_GT_OQ);
+      lane_top = _mm256_blendv_ps(lane_top, v, higher);
+      lane_idx = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(lane_idx), _mm256_castsi256_ps(idx), higher));
+    }
+    if (nan) {
+      for (int64_t j = 0; j < n; ++j)
+        if (is_nan(to_float(x[j]))) return j;
+    }
+    alignas(32) float tops[8];
+    alignas(32) int32_t ids[8];
+    _mm256_store_ps(tops, lane_top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ids), lane_idx);
+    top = tops[0], best = ids[0];
+    for (int l = 1; l < 8; ++l)
+      if (tops[l] > top || (tops[l] == top && ids[l] < best)) top = tops[l], best = ids[l];
+  }
 #endif
   for (; i < n; ++i) {  // the tail (or a short row); no NaN before i
-    if (is_nan(x[i])) return i;
-    if (x[i] > top) top = x[i], best = i;
+    const float v = to_float(x[i]);
+    if (is_nan(v)) return i;
+    if (v > top) top = v, best = i;
   }
   return best;
 }
@@ -63,6 +112,11 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 
 // out[r] = argmax of row r of x [rows, cols] (cols >= 1), torch.argmax's ties and NaNs.
 PAGEDLLM_API void argmax_rows_f32(const float* x, int64_t* out, int64_t rows, int64_t cols) {
+#pragma omp parallel for if (rows * cols >= (1 << 17))
+  for (int64_t r = 0; r < rows; ++r) out[r] = pagedllm::argmax_row(x + r * cols, cols);
+}
+
+PAGEDLLM_API void argmax_rows_bf16(const pagedllm::bf16* x, int64_t* out, int64_t rows, int64_t cols) {
 #pragma omp parallel for if (rows * cols >= (1 << 17))
   for (int64_t r = 0; r < rows; ++r) out[r] = pagedllm::argmax_row(x + r * cols, cols);
 }
