@@ -44,16 +44,19 @@ BLOCK = 32  # values per quantized block along the inner dimension
 INT_MAX_ROWS = 128
 INT_MAX_ROWS_AMX_TILES = 16  # bfloat16, with csrc/quant_amx.cpp
 INT_MAX_ROWS_AMX = 64  # bfloat16 where only oneDNN's GEMM has the AMX tiles
-TILE_MAX_ROWS = 160
+# The tile kernel against oneDNN on the blocked copy, all of a layer's projections: 0.77-0.88x
+# the time at 128-160 rows, level at 224, 1.07-1.10x at 320 (SmolLM2 and Gemma 3, 2-core Xeon).
+TILE_MAX_ROWS = 224
 BLOCKED_MAX_VALUES = 1 << 24  # the largest weight given a dense scratch copy (32 MiB in bfloat16)
 
 
 # A quantized LM head runs on the integer kernels up to this many rows where the tile kernel
-# runs (bfloat16, AMX), then on the tile kernel, which writes no dense copy of the table:
-# measured 0.8x the integer kernels' speed at 17 rows, level at 32, 1.3-1.45x at 64-160
-# (Gemma 3's 262,144-row head and SmolLM2's, 2-core Xeon with AMX).  Elsewhere the head stays
-# on the integer kernels at every row count: the other ways would dequantize the whole table.
-LM_HEAD_INT_MAX_ROWS_AMX_TILES = 32
+# runs (bfloat16, AMX), then on the tile kernel, which writes no dense copy of the table.  The
+# tile kernel's time against the integer kernels': Gemma 3's 262,144-row head level at 16 rows,
+# 0.87x at 24, 0.76x at 32; SmolLM2's 1.34x at 16, 1.05x at 24, 0.84x at 32 (2-core Xeon with
+# AMX).  Elsewhere the head stays on the integer kernels at every row count: the other ways
+# would dequantize the whole table.
+LM_HEAD_INT_MAX_ROWS_AMX_TILES = 24
 
 
 def quantized_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
