@@ -1,8 +1,8 @@
-"""A workload's wall time split by kind of step: steps that carry prompt tokens, decode-only
-steps of at least 64 requests (where the fused decode step splits the rows between two
-threads) and smaller decode-only steps.
+"""A workload's wall time split by kind of step: steps that carry prompt tokens, and decode-only
+steps by how many requests they decode (fewer than 20: the tail of the longest outputs; 20-63;
+at least 64, where the fused decode step splits the rows between two threads).
 
-    python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl
+    python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl [--model gemma3-270m]
     PAGEDLLM_FUSED_DECODE=0 python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl
 
 Every request is submitted at once (greedy, EOS ignored, a 4 GiB KV cache, the engine's
@@ -26,9 +26,10 @@ from pagedllm.layers.cpu_kernels import cpu_summary
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload")
+    parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="4GiB"))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB"))
     fused = engine.runner.model.fused_decode is not None
     print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}, fused decode step: {fused}")
     with open(args.workload) as f:
@@ -52,7 +53,16 @@ def main() -> None:
         tokens = [c.num_new_tokens for c in last["output"].scheduled]
         if not tokens:
             continue
-        kind = "with prompt tokens" if max(tokens) > 1 else "decode, >= 64" if len(tokens) >= 64 else "decode, < 64"
+        rows = len(tokens)
+        kind = (
+            "with prompt tokens"
+            if max(tokens) > 1
+            else "decode, >= 64"
+            if rows >= 64
+            else "decode, 20-63"
+            if rows >= 20
+            else "decode, < 20"
+        )
         entry = kinds[kind]
         entry[0] += 1
         entry[1] += elapsed

@@ -17,7 +17,8 @@ length, prefix caching on in both (each engine's default), vLLM's compiled model
 with min and max of each figure, the per-round ratio, the machine, both versions and both
 engines' full settings; vLLM's log of each run goes beside it, and whether its compile cache
 loaded (vLLM 0.32 with torch 2.13 fails to load its AOT-compiled graph and compiles again at
-every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the other path).
+every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the other path).  `--max-tokens 1`
+gives every request one output token, so that the run times the prompt steps alone.
 
 Results go to bench-results/ (ignored by git) unless --output says otherwise.
 """
@@ -54,6 +55,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
     parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="every request's max_tokens set to this (1: the prompt steps)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="4GiB", help="both engines' KV cache (vLLM: whole GiB)")
@@ -77,6 +81,10 @@ def main() -> int:
         args.workload = str(cache_dir(f"random-{spec.num_prompts}x{args.input_len}+{args.output_len}.jsonl"))
         save_workload(generate_dataset(spec, vocab), args.workload)
     requests = load_workload(args.workload, args.num_requests)
+    if args.max_tokens is not None:  # the same prompts, each engine told the new length (vLLM reads the file)
+        requests = [item | {"max_tokens": args.max_tokens} for item in requests]
+        args.workload = str(cache_dir(f"{Path(args.workload).stem}-{len(requests)}x-max{args.max_tokens}.jsonl"))
+        save_workload(requests, args.workload)
     warmup = warmup_requests(requests)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
     kv_bytes = parse_bytes(args.kv_cache_memory)

@@ -101,11 +101,11 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(l
     real_run = engine.runner.run
     state = {"step": 0}
 
-    def run(chunks, copies):
+    def run(chunks, copies, **kwargs):
         state["step"] += 1
         if state["step"] == 4:
             raise RuntimeError("injected forward fault")
-        return real_run(chunks, copies)
+        return real_run(chunks, copies, **kwargs)
 
     monkeypatch.setattr(engine.runner, "run", run)
     outputs = llm.generate(PROMPTS[:3], greedy())
@@ -119,7 +119,7 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(l
 def test_a_forward_pass_that_keeps_failing_stops_the_engine_saying_why(llm, monkeypatch):
     engine = llm.engine
 
-    def run(chunks, copies):
+    def run(chunks, copies, **kwargs):
         raise RuntimeError("the device is gone")
 
     monkeypatch.setattr(engine.runner, "run", run)
