@@ -47,7 +47,7 @@ _SOURCES = (
     "quant_gemm.cpp",
     "quant_amx.cpp",
 )
-_HEADERS = ("common.h", "avx512.h", "amx.h", "quant_layout.h", "softmax.h")
+_HEADERS = ("common.h", "avx2.h", "avx512.h", "amx.h", "quant_layout.h", "softmax.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC vectorizes plain loops with 256-bit registers even where AVX-512 is there; 512 made

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "common.h"
 #include "softmax.h"
@@ -263,18 +264,7 @@ inline void unpair_acc(float* acc, int64_t heads) {
     }
 }
 #endif  // __AVX512BF16__
-#elif defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load8(const f8* p) {  // as avx512.h's load16 for f8, 8 at a time
-  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i half = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xbfff)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
-}
-inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+#elif defined(__AVX2__)  // load8: avx2.h
 
 // r[i] = the sum of v[i]'s 8 lanes, for 8 vectors at once.
 inline __m256 hsum8x8(const __m256* v) {

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "quant_layout.h"
 #if defined(__AVX2__)
@@ -52,12 +53,7 @@ struct QuantizedRows {
   std::vector<int32_t> halves;  // [m, k / 16]: the sum of q over each 16 values
 };
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+#if defined(__AVX2__) && !defined(__AVX512F__)  // load8: avx2.h
 inline int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));

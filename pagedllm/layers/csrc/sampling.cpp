@@ -7,6 +7,7 @@
 // vocabulary the copy and the float32 argmax took 20 ms (AMX Xeon).
 #include <omp.h>
 
+#include "avx2.h"
 #include "avx512.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -29,12 +30,7 @@ inline __mmask16 nan_lanes(__m512 v) {
 }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+#if defined(__AVX2__) && !defined(__AVX512F__)  // load8: avx2.h
 inline bool any_nan(__m256 v) {
   const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
   return !_mm256_testz_si256(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(-1));
