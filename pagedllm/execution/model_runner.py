@@ -31,7 +31,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.logits_processors import TokenHistory
-from pagedllm.execution.sampler import Sampler, token_seed
+from pagedllm.execution.sampler import Sampler, argmax_only, token_seed
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.layers.output_buffers import OutputBuffers
@@ -241,10 +241,7 @@ class ModelRunner:
         logprobs, penalties, bias or grammar), which the sampler reads in the model's dtype."""
         if self.structured is not None and self.structured.matchers:
             return False
-        return all(
-            p.greedy and p.logprobs is None and not p.processes_logits
-            for p in (row.request.sampling_params for row in rows)
-        )
+        return argmax_only([row.request.sampling_params for row in rows])
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> ModelRunnerOutput:
         """One token per row, the whole batch at once; when that raises, sequence by sequence, so that

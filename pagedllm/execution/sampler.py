@@ -37,6 +37,12 @@ def token_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def argmax_only(params: list[SamplingParams]) -> bool:
+    """Whether every row only takes its argmax of the raw logits: greedy, no logprobs, no
+    penalties or bias (a grammar the caller checks apart).  Such rows read the model's dtype."""
+    return all(p.greedy and p.logprobs is None and not p.processes_logits for p in params)
+
+
 @dataclass
 class SamplerOutput:
     # Per row: the sampled id, always in [0, vocab); None where the row allows no token at all.
@@ -67,8 +73,7 @@ class Sampler:
         token history where any row has penalties, bias or min_tokens (logits_processors.py).
         `constrain` masks the rows' forbidden tokens (structured outputs) after those.
         Log-probabilities are the raw model's, before all of that and before temperature."""
-        argmax_only = histories is None and constrain is None and all(p.greedy and p.logprobs is None for p in params)
-        if logits.dtype != torch.float32 and not argmax_only:
+        if logits.dtype != torch.float32 and not (histories is None and constrain is None and argmax_only(params)):
             logits = logits.float()
         processed = process_logits(logits, params, histories) if histories is not None else logits
         if constrain is not None:  # grammar masks, in place: never on the raw logits the logprobs come from
