@@ -202,6 +202,22 @@ def test_a_good_record_earns_long_drafts_and_a_bad_one_none():
     assert spec.acceptance("new") > 0.7  # the pool remembers that most drafts held
 
 
+def test_a_pool_that_fell_below_the_price_is_tried_again():
+    """Early rejections can take the pooled record below what a draft must reach; steps without
+    drafts bring it back towards the prior, so drafting does not end for good."""
+    spec = Speculation(Scripted({"a": [7] * 4, "b": [7] * 4}), max_draft_tokens=4, cost=StepCost(1.0))
+    assert spec.plan([decoding("a")], 0, 100)  # alone, a row priced as the base needs 0.5: the prior 0.75 pays
+    for _ in range(4):
+        spec.record("a", 4, 0)
+    spec.finish(decoding("a"))
+    assert spec.plan([decoding("b")], 0, 100) == {}  # the pool fell below the price
+    waited = 0
+    while not spec.plan([decoding("b")], 0, 100):
+        waited += 1
+        assert waited < 500, f"pooled acceptance stuck at {spec.acceptance('new'):.3f}"
+    assert waited > 20  # not at once: the pool remembers for a while
+
+
 def test_drafts_stop_where_rows_cost_more_than_they_bring():
     ids = [f"r{i}" for i in range(64)]
     spec = Speculation(Scripted({i: [7] * 4 for i in ids}), max_draft_tokens=4, cost=StepCost(0.1))

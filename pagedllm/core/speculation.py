@@ -21,7 +21,8 @@ whose drafts keep failing stops getting them until its record decays back to the
 A request's acceptance is a decaying count of its accepted draft tokens and rejections,
 starting from the same count over all requests (itself starting at 0.75): in a workload
 whose drafts hold, a new request gets drafts from its first step; where they fail, it
-gets none until its own drafts show otherwise.
+gets none until its own drafts show otherwise.  Steps in which no draft is taken let the
+pooled count drift back to its prior, so drafting is tried again after a few hundred such steps.
 
 Asking the drafter costs Python time (a lookup, and indexing the tokens appended since).  A
 request whose drafter found nothing worth verifying is not asked again for 1, 2, 4, then at
@@ -42,6 +43,10 @@ POOL_DECAY = 0.995  # the same, for the record of all requests together
 POOL_PRIOR = (3.0, 1.0)  # pseudo-counts of accepted and rejected drafts before any was verified: 0.75
 PRIOR_WEIGHT = 2.0  # a request starts from the pooled rate, worth this many of its own outcomes
 IDLE_DECAY = 0.97  # per step a request is given no draft: its record drifts back to the pooled rate
+# Per step in which no draft is taken: the pooled record drifts back to its prior, so that a pool that
+# fell below what drafts must reach is tried again (a serving engine's traffic changes; without it a few
+# early rejections would end drafting for good, since only verified drafts move the pool).
+POOL_IDLE_DECAY = 0.99
 MAX_BACKOFF_STEPS = 8  # the most steps a request whose drafter keeps coming up empty goes without asking
 
 
@@ -198,6 +203,8 @@ class Speculation:
             self._backoff.pop(request_id, None)
         if taken:
             self.stats.steps_with_drafts += 1
+        else:
+            self._pool.decay(POOL_IDLE_DECAY)
         return {rid: drafts[rid].token_ids[:n] for rid, n in taken.items()}
 
     def _missed(self, request_id: str) -> None:
