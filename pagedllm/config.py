@@ -136,6 +136,13 @@ class EngineConfig:
         kind="bool",
         off_flag="--no-prefix-caching",
     )
+    commit_kv_cache: bool = setting(
+        True,
+        "write the CPU KV cache's pages at start, so the OS commits its memory then and not in the steps "
+        "that first use each block (a cache the machine cannot hold fails at start); off: committed as used",
+        kind="bool",
+        off_flag="--no-commit-kv-cache",
+    )
     window_freeing: bool = setting(
         True,
         "sliding-window layers give back the blocks their window has left behind (paged layout only; "

@@ -89,7 +89,9 @@ def _llm(**kwargs) -> LLM:
     while len(_shared_engines) >= _MAX_SHARED_ENGINES:
         _shared_engines.popitem(last=False)
     gc.collect()  # the evicted engine's tensors go before the new one allocates its own
-    llm = LLM(dtype="float32", **({"weights": "dequantized", "kv_cache_dtype": "float32"} | kwargs))
+    # Their caches are committed as used: three of 4 GiB committed at start would hold 12 GiB.
+    defaults = {"weights": "dequantized", "kv_cache_dtype": "float32", "commit_kv_cache": False}
+    llm = LLM(dtype="float32", **(defaults | kwargs))
     _shared_engines[key] = llm
     return llm
 

@@ -1,6 +1,7 @@
 """Engine behaviour on the real model: bad input, aborts, memory accounting."""
 
 import logging
+import sys
 
 import pytest
 
@@ -98,6 +99,38 @@ def test_startup_log_reports_kv_sizing(caplog):
     assert llm.engine.kv_cache.num_blocks == blocks
     assert f"float16 KV cache: {blocks} blocks x 32 tokens = {blocks * 32} tokens" in message
     assert "concurrency" in message
+
+
+def resident_fraction(tensor) -> float:
+    """The share of a CPU tensor's pages that the OS has backed with memory (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pages = -(-(end - start) // page)
+    status = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), status) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in status) / pages
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on Linux")
+def test_the_kv_cache_is_committed_at_start_unless_asked_not_to(caplog):
+    from pagedllm import LLM
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        committed = LLM(dtype="float32", kv_cache_memory="96MiB")
+    assert "KV cache committed: 0.09 GiB" in caplog.text
+    assert all(resident_fraction(cache) == 1.0 for cache in committed.engine.runner.kv_caches)
+    lazy = LLM(dtype="float32", kv_cache_memory="96MiB", commit_kv_cache=False)
+    assert all(resident_fraction(cache) < 0.1 for cache in lazy.engine.runner.kv_caches)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert lazy.generate("The capital of France is", params)[0].outputs[0].token_ids == (
+        committed.generate("The capital of France is", params)[0].outputs[0].token_ids
+    )
 
 
 def test_engine_arguments_are_checked():

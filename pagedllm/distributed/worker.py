@@ -54,7 +54,14 @@ def run_worker(config: EngineConfig, tp: TensorParallel, store: dist.TCPStore | 
     try:
         built = build_rank_model(config, tp)
         runner = ModelRunner(
-            built.model, built.num_blocks, config.block_size, built.kv_dtype, config.seed, built.device, built.groups
+            built.model,
+            built.num_blocks,
+            config.block_size,
+            built.kv_dtype,
+            config.seed,
+            built.device,
+            built.groups,
+            commit_cache=config.commit_kv_cache,
         )
     except Exception as error:
         if store is not None:

@@ -81,6 +81,7 @@ class LLMEngine:
                 config.seed,
                 built.device,
                 built.groups,
+                commit_cache=config.commit_kv_cache,
             )
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)

@@ -20,6 +20,7 @@ asked).  Decode-only steps replay a captured CUDA graph (cuda_graphs.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,7 @@ class ModelRunner:
         seed: int = 0,
         device: str | torch.device = "cpu",
         groups: LayerGroups | None = None,
+        commit_cache: bool = False,
     ) -> None:
         c = model.config
         self.model = model
@@ -148,15 +150,23 @@ class ModelRunner:
         # K/V there, and freed or unused table entries name it; no request ever reads it.
         self.padding_block = num_blocks
         cache_blocks = num_blocks + 1
-        # Left uninitialized: pages are committed as blocks are first used, and attention
-        # never lets a slot outside a request's context reach its output, NaN included
-        # (tests/test_attention.py::test_slots_outside_every_context_never_reach_the_output).
+        # Attention never lets a slot outside a request's context reach its output, NaN included
+        # (tests/test_attention.py::test_slots_outside_every_context_never_reach_the_output), so the
+        # values are never read before written.  `commit_cache` zeroes a CPU cache only so that the
+        # OS backs every page now: left to the first write of each block, that page fault (and in a
+        # VM, the host's) fell inside the steps, up to a quarter of a prompt step's time.
         # Under tensor parallelism: this rank's KV heads, the same number of blocks on every rank.
         kv_heads = model.shard.num_kv_heads
         self.kv_caches = [
             torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(self.groups.group_size)
         ]
+        if commit_cache and self.device.type == "cpu":
+            start = time.perf_counter()
+            for cache in self.kv_caches:
+                cache.zero_()
+            seconds = time.perf_counter() - start
+            logger.info("KV cache committed: %.2f GiB in %.2f s", self.kv_cache_bytes / 2**30, seconds)
         self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]
         self.sampler = Sampler(seed, self.device, model.ops.kernels)
         self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
