@@ -15,6 +15,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.execution.device import resolve_dtype, resolve_kv_cache_dtype, select_device
+from pagedllm.execution.heap import keep_freed_memory
 from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
@@ -120,6 +121,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         in_use_at_start = total - free  # the CUDA context and other processes
     kv_budget = config.kv_cache_memory
     if not on_cuda:
+        keep_freed_memory()
         kv_budget = kv_budget or DEFAULT_CPU_KV_CACHE_MEMORY
         # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
         # (possibly on other machines) each check their own share.
