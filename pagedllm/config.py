@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -136,10 +137,13 @@ class EngineConfig:
         kind="bool",
         off_flag="--no-prefix-caching",
     )
+    # The default can be turned off for a whole process tree with PAGEDLLM_COMMIT_KV_CACHE=0: the test
+    # suite holds many engines of the default 4 GiB at once, which committed would not fit its machine.
     commit_kv_cache: bool = setting(
-        True,
+        os.environ.get("PAGEDLLM_COMMIT_KV_CACHE", "1") != "0",
         "write the CPU KV cache's pages at start, so the OS commits its memory then and not in the steps "
-        "that first use each block (a cache the machine cannot hold fails at start); off: committed as used",
+        "that first use each block (a cache the machine cannot hold fails at start); off: committed as used "
+        "(default: on, unless PAGEDLLM_COMMIT_KV_CACHE=0)",
         kind="bool",
         off_flag="--no-commit-kv-cache",
     )

@@ -7,7 +7,12 @@ import collections
 import contextlib
 import functools
 import gc
+import os
 import weakref
+
+# Engines leave their KV caches to be committed as used (this process and the servers it starts):
+# the suite holds many engines of the default 4 GiB at once.  tests/test_engine.py checks the default.
+os.environ["PAGEDLLM_COMMIT_KV_CACHE"] = "0"
 
 import pytest
 import torch
@@ -89,8 +94,7 @@ def _llm(**kwargs) -> LLM:
     while len(_shared_engines) >= _MAX_SHARED_ENGINES:
         _shared_engines.popitem(last=False)
     gc.collect()  # the evicted engine's tensors go before the new one allocates its own
-    # Their caches are committed as used: three of 4 GiB committed at start would hold 12 GiB.
-    defaults = {"weights": "dequantized", "kv_cache_dtype": "float32", "commit_kv_cache": False}
+    defaults = {"weights": "dequantized", "kv_cache_dtype": "float32"}
     llm = LLM(dtype="float32", **(defaults | kwargs))
     _shared_engines[key] = llm
     return llm

@@ -122,7 +122,7 @@ def test_the_kv_cache_is_committed_at_start_unless_asked_not_to(caplog):
     from pagedllm import LLM
 
     with caplog.at_level(logging.INFO, logger="pagedllm"):
-        committed = LLM(dtype="float32", kv_cache_memory="96MiB")
+        committed = LLM(dtype="float32", kv_cache_memory="96MiB", commit_kv_cache=True)
     assert "KV cache committed: 0.09 GiB" in caplog.text
     assert all(resident_fraction(cache) == 1.0 for cache in committed.engine.runner.kv_caches)
     lazy = LLM(dtype="float32", kv_cache_memory="96MiB", commit_kv_cache=False)
