@@ -53,16 +53,7 @@ def run_worker(config: EngineConfig, tp: TensorParallel, store: dist.TCPStore | 
 
     try:
         built = build_rank_model(config, tp)
-        runner = ModelRunner(
-            built.model,
-            built.num_blocks,
-            config.block_size,
-            built.kv_dtype,
-            config.seed,
-            built.device,
-            built.groups,
-            commit_cache=config.commit_kv_cache,
-        )
+        runner = ModelRunner.for_rank(built, config)
     except Exception as error:
         if store is not None:
             store.set(f"error/{tp.rank}", f"{type(error).__name__}: {error}")

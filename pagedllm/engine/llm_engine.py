@@ -73,16 +73,7 @@ class LLMEngine:
         )
         try:
             built = build_rank_model(config, tp)
-            self.runner = ModelRunner(
-                built.model,
-                built.num_blocks,
-                config.block_size,
-                built.kv_dtype,
-                config.seed,
-                built.device,
-                built.groups,
-                commit_cache=config.commit_kv_cache,
-            )
+            self.runner = ModelRunner.for_rank(built, config)
             if built.memory_plan is not None:
                 logger.info("GPU memory: %s", built.memory_plan)
             # A length-dependent RoPE reads per-token lengths that the captured graphs do not carry.

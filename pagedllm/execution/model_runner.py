@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,10 @@ from pagedllm.execution.structured_output import StructuredOutputError, Structur
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
 from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.execution.rank_model import RankModel
 
 logger = logging.getLogger("pagedllm")
 
@@ -173,6 +178,20 @@ class ModelRunner:
         self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
         self.encoder = StepEncoder() if self.tp.size > 1 else None
         self.step_message_bytes = 0  # total bytes of step messages broadcast (rank 0, tensor parallel)
+
+    @classmethod
+    def for_rank(cls, built: RankModel, config: EngineConfig) -> ModelRunner:
+        """The runner of a rank's model as build_rank_model made it, with the engine's settings."""
+        return cls(
+            built.model,
+            built.num_blocks,
+            config.block_size,
+            built.kv_dtype,
+            config.seed,
+            built.device,
+            built.groups,
+            commit_cache=config.commit_kv_cache,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
