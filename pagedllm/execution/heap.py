@@ -11,8 +11,9 @@ and ran 5-35% slower than the runs after it.
 So a CPU engine raises both thresholds once, as other allocators (tcmalloc, jemalloc) behave by
 default: chunks up to 32 MiB (glibc's largest allowed threshold) come from the heap, and up to
 `TRIM_THRESHOLD` bytes of free heap stay with the process.  What the steps use at their peak
-stays allocated between steps; nothing else changes.  Another allocator preloaded in glibc's
-place has no such knobs, and this is skipped.
+stays allocated between steps; nothing else changes.  Under an allocator preloaded in glibc's
+place (tcmalloc, as vLLM's CPU docs advise), `mallopt` is that allocator's, which keeps freed
+memory by itself and ignores the call.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _done = False
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds (once per process); False where the C library is not glibc, or is
-    not the allocator in use."""
+    """Set glibc's thresholds (once per process); False where the C library is not glibc or
+    refused them."""
     global _done
     if _done:
         return True
