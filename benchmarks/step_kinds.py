@@ -23,6 +23,15 @@ from pagedllm.engine import LLMEngine
 from pagedllm.layers.cpu_kernels import cpu_summary
 
 
+def step_kind(tokens: list[int]) -> str:
+    """The kind of a step that computes `tokens[i]` tokens of its i-th request."""
+    if max(tokens) > 1:
+        return "with prompt tokens"
+    if len(tokens) >= 64:
+        return "decode, >= 64"
+    return "decode, 20-63" if len(tokens) >= 20 else "decode, < 20"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload")
@@ -53,17 +62,7 @@ def main() -> None:
         tokens = [c.num_new_tokens for c in last["output"].scheduled]
         if not tokens:
             continue
-        rows = len(tokens)
-        kind = (
-            "with prompt tokens"
-            if max(tokens) > 1
-            else "decode, >= 64"
-            if rows >= 64
-            else "decode, 20-63"
-            if rows >= 20
-            else "decode, < 20"
-        )
-        entry = kinds[kind]
+        entry = kinds[step_kind(tokens)]
         entry[0] += 1
         entry[1] += elapsed
         entry[2] += len(tokens)

@@ -6,7 +6,7 @@ starts at 128 KiB are mmap'ed and unmapped when freed, and the top of the heap i
 128 KiB lie free there.  The next step then takes a page fault on every 4 KiB it touches, and
 the kernel zeroes each page again (in a VM the host may have to back it first).  On a 2-core VM
 a fresh engine's first run of 4,096-token prompt steps took about 100,000-270,000 such faults
-and ran 5-35% slower than the runs after it.
+and ran up to a third slower than the runs after it.
 
 So a CPU engine raises both thresholds once, as other allocators (tcmalloc, jemalloc) behave by
 default: chunks up to 32 MiB (glibc's largest allowed threshold) come from the heap, and up to
@@ -49,7 +49,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     if ok:
-        logger.debug("malloc: chunks up to %d MiB from the heap, up to %d MiB of it kept when free",
-                     MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)  # fmt: skip
+        logger.debug("malloc: heap chunks up to %d MiB, %d MiB kept", MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     _done = ok
     return ok
