@@ -6,11 +6,16 @@
 // buffer laid out as AMX B tiles (per block of 32 k values, 16 rows of 16 columns x 2 consecutive
 // k values), and multiplies the rows of x against it with `tdpbf16ps`, 32 rows x 32 columns per
 // pass, float32 accumulation.  The dequantized chunk (32 columns x k) stays in the thread's
-// cache: the step reads the quantized bytes and writes no dense copy of the weight.  While a
-// chunk multiplies, the thread asks for the next chunk's quantized bytes a few lines per block
-// (Ahead), so that the memory works while the tile unit does: without it a chunk's reads waited
-// until its dequantization began, and the kernel took 1.2-1.4x as long at 48-96 rows
-// (SmolLM2's and Gemma 3's projections, Gemma 3's head; 2-core Xeon with AMX).
+// cache: the step reads the quantized bytes and writes no dense copy of the weight.  A thread
+// takes consecutive chunks and overlaps three of them: while the tile unit multiplies one, the
+// vector units dequantize the next into a second buffer a block at a time between the
+// multiply's tile instructions (ChunkDequantizer), and the thread asks for the one after's
+// quantized bytes a few lines per block (Ahead).  Without Ahead a chunk's reads waited until
+// its dequantization began, and the kernel took 1.2-1.4x as long at 48-96 rows.  Overlapping
+// the dequantization with the multiply took a pass over Gemma 3's projections and LM head from
+// 40.1 to 29.0 ms at 40 rows and from 82.4 to 61.7 at 112, SmolLM2's to 0.87-0.96x its time at
+// 17-224 rows (2-core Xeon with AMX; benchmarks/quantized_linear.py).  The products are the
+// same bits either way.
 //
 // `dequantize_blocked` (more rows, AVX512-BF16): the whole weight dequantized into the blocked
 // layout oneDNN packs a bfloat16 linear weight in, so that oneDNN's GEMM (faster than the tile
@@ -75,45 +80,49 @@ inline void spread(const float* s, const float* mn, int32_t zero, __m512* scale,
   }
 }
 
-// Panel p of the weight in pairs of k values: block b's 16 rows of 16 columns x 2 (k = 2i, 2i + 1
-// in row i) at dst + b * block_stride, rows row_stride values apart.
+// Block b of panel p of the weight in pairs of k values: 16 rows of 16 columns x 2 (k = 2i,
+// 2i + 1 in row i), rows row_stride values apart from `rows`.
+template <int Bits, int Group>
+void dequantize_block(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p,
+                      int64_t b, uint16_t* rows, int64_t row_stride) {
+  constexpr bool kSigned = Bits == 8 && !kUnsigned8;
+  const int64_t blocks = k / kBlock, groups = k / Group;
+  const uint8_t* blk = qs + (p * blocks + b) * block_bytes(Bits);
+  const float* ws = scales + p * groups * kPanel;
+  const float* wm = mins == nullptr ? nullptr : mins + p * groups * kPanel;
+  __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
+  for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
+    const int64_t g = Group == 16 ? 2 * b + h : b;
+    spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
+  }
+  if constexpr (Bits == 8) {
+    for (int j = 0; j < 8; ++j) {
+      const int h = Group == 16 && j >= 4 ? 1 : 0;
+      quad_to_rows<kSigned>(_mm512_loadu_si512(blk + j * 64), scale[h], bias[h], rows + 2 * j * row_stride,
+                            rows + (2 * j + 1) * row_stride);
+    }
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
+    const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(blk + j * 64);
+      __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
+      }
+      quad_to_rows<false>(lo, scale[0], bias[0], rows + 2 * j * row_stride, rows + (2 * j + 1) * row_stride);
+      quad_to_rows<false>(hi, scale[0], bias[0], rows + (2 * j + 8) * row_stride, rows + (2 * j + 9) * row_stride);
+    }
+  }
+}
+
+// Panel p of the weight: block b at dst + b * block_stride (dequantize_block's layout).
 template <int Bits, int Group>
 void dequantize_panel(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p,
                       uint16_t* dst, int64_t block_stride, int64_t row_stride) {
-  constexpr bool kSigned = Bits == 8 && !kUnsigned8;
-  const int64_t blocks = k / kBlock, groups = k / Group;
-  const uint8_t* wq = qs + p * blocks * block_bytes(Bits);
-  const float* ws = scales + p * groups * kPanel;
-  const float* wm = mins == nullptr ? nullptr : mins + p * groups * kPanel;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = wq + b * block_bytes(Bits);
-    uint16_t* rows = dst + b * block_stride;
-    __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
-    for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
-      const int64_t g = Group == 16 ? 2 * b + h : b;
-      spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
-    }
-    if constexpr (Bits == 8) {
-      for (int j = 0; j < 8; ++j) {
-        const int h = Group == 16 && j >= 4 ? 1 : 0;
-        quad_to_rows<kSigned>(_mm512_loadu_si512(blk + j * 64), scale[h], bias[h], rows + 2 * j * row_stride,
-                              rows + (2 * j + 1) * row_stride);
-      }
-    } else {
-      const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + j * 64);
-        __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
-          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
-          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
-        }
-        quad_to_rows<false>(lo, scale[0], bias[0], rows + 2 * j * row_stride, rows + (2 * j + 1) * row_stride);
-        quad_to_rows<false>(hi, scale[0], bias[0], rows + (2 * j + 8) * row_stride, rows + (2 * j + 9) * row_stride);
-      }
-    }
-  }
+  for (int64_t b = 0; b < k / kBlock; ++b)
+    dequantize_block<Bits, Group>(qs, scales, mins, zero, k, p, b, dst + b * block_stride, row_stride);
 }
 
 // The whole weight [n, k] in oneDNN's blocked bfloat16 layout for a linear's weight (AB16b32a2b:
@@ -129,12 +138,33 @@ void dequantize_blocked(const uint8_t* qs, const float* scales, const float* min
                                   64);
 }
 
+// Panels p0 .. p0 + np of the weight as B tiles in buf (block b's panels side by side), one
+// (panel, block) at a time: `step` dequantizes the next few, so that a chunk's dequantization
+// can be spread over the multiply of the chunk before it.
 template <int Bits, int Group>
-void dequantize_chunk(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p0,
-                      int64_t np, uint16_t* buf) {
-  for (int64_t p = 0; p < np; ++p)
-    dequantize_panel<Bits, Group>(qs, scales, mins, zero, k, p0 + p, buf + p * kTileElems, np * kTileElems, 32);
-}
+struct ChunkDequantizer {
+  const uint8_t* qs = nullptr;
+  const float *scales = nullptr, *mins = nullptr;
+  int32_t zero = 0;
+  int64_t k = 0, p0 = 0, np = 0;
+  uint16_t* buf = nullptr;
+  int64_t done = 0, per = 0;
+
+  int64_t total() const { return np * (k / kBlock); }
+  // Spread the chunk over `iterations` calls of step().
+  void spread(int64_t iterations) { per = (total() + iterations - 1) / std::max<int64_t>(1, iterations); }
+  void step() {
+    const int64_t blocks = k / kBlock;
+    for (int64_t j = 0; j < per && done < total(); ++j, ++done) {
+      const int64_t p = done / blocks, b = done % blocks;
+      dequantize_block<Bits, Group>(qs, scales, mins, zero, k, p0 + p, b, buf + (b * np + p) * kTileElems, 32);
+    }
+  }
+  void finish() {
+    per = total();
+    step();
+  }
+};
 #endif
 
 #if defined(PAGEDLLM_AMX)
@@ -210,12 +240,14 @@ void pack_rows(const bf16* x, int64_t rows, int64_t k, uint16_t* a) {
 // all of k per pass read both operands from L2, one tile load per `tdpbf16ps`, which the L2
 // cannot feed at the tile unit's rate.)  The 32 x 32 float accumulators of each pass wait in
 // `acc` [rows rounded up to 32][32] between steps.
+template <typename Dequantizer>
 void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf, int64_t np, int64_t cols, bf16* y,
-                    int64_t ldy, float* acc, const Ahead& ahead) {
+                    int64_t ldy, float* acc, const Ahead& ahead, Dequantizer& following) {
   const int64_t blocks = k / kBlock;
   const bool two = np > 1;
   constexpr int64_t ldc = 32 * sizeof(float);
   Ahead::Cursor next = ahead.spread(((m + 31) / 32) * blocks);
+  following.spread(((m + 31) / 32) * blocks);
   for (int64_t b0 = 0; b0 < blocks; b0 += kStepBlocks) {
     const int64_t b1 = std::min(blocks, b0 + kStepBlocks);
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
@@ -236,6 +268,7 @@ void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf
       }
       for (int64_t b = b0; b < b1; ++b) {
         next.ask();
+        following.step();
         _tile_loadd(4, upper + b * kTileElems, 64);
         _tile_loadd(6, buf + (b * np) * kTileElems, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -274,27 +307,42 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
 #pragma omp parallel
   {
     configure_tiles();
-    static thread_local std::vector<uint16_t> buf;
+    static thread_local std::vector<uint16_t> buf;  // two chunks' B tiles: one multiplied, the next filled
     static thread_local std::vector<float> acc;
-    const size_t need = static_cast<size_t>(k / kBlock * kChunkPanels * kTileElems);
-    if (buf.size() < need) buf.resize(need);
+    const size_t half = static_cast<size_t>(k / kBlock * kChunkPanels * kTileElems);
+    if (buf.size() < 2 * half) buf.resize(2 * half);
     const size_t acc_need = static_cast<size_t>((std::min(m, kRowBlock) + 31) / 32 * 32 * 32);
     if (acc.size() < acc_need) acc.resize(acc_need);
+    // This thread's chunks, consecutive, so that each one's multiply can dequantize the next.
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t first = chunks * thread / threads, last = chunks * (thread + 1) / threads;
+    auto panels_of = [&](int64_t chunk) { return std::min(kChunkPanels, panels - chunk * kChunkPanels); };
+    auto dequantizer = [&](int64_t chunk, uint16_t* into) {
+      ChunkDequantizer<Bits, Group> d;  // past this thread's chunks: nothing to do
+      if (chunk < last) {
+        d.qs = qs, d.scales = scales, d.mins = mins, d.zero = zero, d.k = k;
+        d.p0 = chunk * kChunkPanels, d.np = panels_of(chunk), d.buf = into;
+      }
+      return d;
+    };
     for (int64_t rb = 0; rb < row_blocks; ++rb) {
       const int64_t r0 = rb * kRowBlock, rows = std::min(kRowBlock, m - r0);
       pack_rows(x + r0 * k, rows, k, a.data());  // ends in the omp for's barrier
-#pragma omp for schedule(static)
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        const int64_t p0 = chunk * kChunkPanels, np = std::min(kChunkPanels, panels - p0);
-        dequantize_chunk<Bits, Group>(qs, scales, mins, zero, k, p0, np, buf.data());
-        // The next chunk's weight asked for while this one multiplies (a thread's chunks are
-        // consecutive under the static schedule).
-        const Ahead ahead = chunk + 1 < chunks ? chunk_weight<Bits, Group>(qs, scales, mins, k, p0 + kChunkPanels,
-                                                                          std::min(kChunkPanels, panels - p0 - kChunkPanels))
-                                               : Ahead{};
-        multiply_chunk(a.data(), rows, k, buf.data(), np, std::min(np * kPanel, n - p0 * kPanel),
-                       y + r0 * ldy + p0 * kPanel, ldy, acc.data(), ahead);
+      if (first < last) dequantizer(first, buf.data()).finish();
+      for (int64_t chunk = first; chunk < last; ++chunk) {
+        uint16_t* current = buf.data() + ((chunk - first) % 2) * half;
+        // The next chunk dequantized, and the one after asked for, while this one multiplies:
+        // the vector units and the tile unit then work at once.
+        auto following = dequantizer(chunk + 1, buf.data() + ((chunk - first + 1) % 2) * half);
+        const Ahead ahead = chunk + 2 < last
+                                ? chunk_weight<Bits, Group>(qs, scales, mins, k, (chunk + 2) * kChunkPanels, panels_of(chunk + 2))
+                                : Ahead{};
+        const int64_t p0 = chunk * kChunkPanels, np = panels_of(chunk);
+        multiply_chunk(a.data(), rows, k, current, np, std::min(np * kPanel, n - p0 * kPanel),
+                       y + r0 * ldy + p0 * kPanel, ldy, acc.data(), ahead, following);
+        following.finish();
       }
+#pragma omp barrier  // every thread is done with `a` before the next row block packs it
     }
     _tile_release();
   }
