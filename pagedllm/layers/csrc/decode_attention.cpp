@@ -20,6 +20,11 @@
 // while it computes the current one, into L2, spreading those requests over its KV heads (each
 // head's slice of the next rows as it starts that head): 13% faster than all at once in the
 // scores pass, 3-13% in the values pass, which asks for its first tile before the softmax.
+// With AVX512-BF16 and a bfloat16 cache they are spread finer still: the group's first query
+// head asks for the next tile's row i (its slice) as it reads row i, key by key in the scores
+// pass and pair by pair in the values pass.  At 160 requests x 400 tokens over 30 layers' caches
+// that read K/V 1.13x faster with blocks in order, 1.09x placed at random, and 0.96x held in
+// cache (benchmarks/attention_bandwidth.py, 2-core AMX Xeon; docs/performance.md).
 // Against the kernel before (rows read in memory order, every head loading its query again for
 // every key, prefetches into L1 all at once, none for the first tile) this measured 1.8-2.0x
 // faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16, AVX512-BF16 EPYC;
@@ -90,10 +95,12 @@ class RowWalker {
 // (locality 2, prefetcht1): into L1 (prefetcht0) measured 1.4x slower on an AVX512-BF16
 // EPYC, whose L1 miss buffers a SmolLM2 tile's 96 lines overrun (docs/performance.md).
 template <typename T>
+inline void prefetch_lines(const T* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 2);
+}
+template <typename T>
 inline void prefetch_rows(const T* const* rows, int64_t bytes, int64_t offset = 0) {
-  for (int64_t i = 0; i < kKeys; ++i)
-    for (int64_t b = 0; b < bytes; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + offset + b, 0, 2);
+  for (int64_t i = 0; i < kKeys; ++i) prefetch_lines(reinterpret_cast<const char*>(rows[i]) + offset, bytes);
 }
 
 #if defined(__AVX512F__)
@@ -144,8 +151,9 @@ inline __m512 dot_acc(const Regs64& k, const Regs64& q, __m512 acc) {
 // done 16 keys at a time.  One query head at a time, reloading the tile's keys from L1 for
 // each head of the group: holding 2-4 heads' queries and partial sums (16 zmm each) in
 // registers spills; 4 heads measured 1.04-1.16x the time, 2 within noise (docs/performance.md).
-template <int64_t D, typename T, typename KV>
-inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float scale, float* scores) {
+template <int64_t D, typename T, typename KV, bool Ask = false>
+inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float scale, float* scores,
+                        const KV* const* next = nullptr) {
   alignas(64) __m512 partial[kKeys];
   for (int64_t c = 0; c < D; c += C) {
     Regs64 qr;
@@ -154,6 +162,7 @@ inline void head_scores(const T* q, const KV* const* rows, int64_t offset, float
     else
       load64_floats(q + c, qr);
     for (int64_t i = 0; i < kKeys; ++i) {
+      if constexpr (Ask) prefetch_lines(next[i] + offset + c, C * static_cast<int64_t>(sizeof(KV)));
       Regs64 kr;
       load64(rows[i] + offset + c, kr);
       partial[i] = dot_acc<KV>(kr, qr, c == 0 ? _mm512_setzero_ps() : partial[i]);
@@ -191,13 +200,17 @@ inline void tile_values(const float* probs, const T* const* rows, int64_t n, int
 // interleaved by 16-bit unpacks, which keep each 128-bit lane's dims together: the
 // accumulators hold each 32 dims in the order [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31],
 // put back by `unpair_acc`.
-template <int G>
+template <int G, bool Ask = false>
 inline void tile_value_pairs(const uint32_t* weight_pairs, const bf16* const* rows, int64_t n, int64_t offset,
-                             int64_t ld_pairs, float* acc, int64_t stride) {
+                             int64_t ld_pairs, float* acc, int64_t stride, const bf16* const* next = nullptr) {
   __m512 a[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * stride + 16 * j);
   for (int64_t i = 0; i < n; i += 2) {  // an odd tail pairs with the tile's repeated row, whose weight is 0
+    if constexpr (Ask) {
+      prefetch_lines(next[i] + offset, C * static_cast<int64_t>(sizeof(bf16)));
+      prefetch_lines(next[i + 1] + offset, C * static_cast<int64_t>(sizeof(bf16)));
+    }
     const bf16* v0 = rows[i] + offset;
     const bf16* v1 = rows[i + 1] + offset;
     const __m512i x0 = _mm512_loadu_si512(v0), x1 = _mm512_loadu_si512(v0 + 32);
@@ -230,18 +243,27 @@ inline void tile_all_values(const bf16* weights, const bf16* const* rows, int64_
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights);
   const int64_t ld_pairs = ld / 2;
   constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(bf16));
+  // A full tile asks for the next one's rows pair by pair as the first heads of each KV head
+  // read theirs (a short tile, the last, has no next).
+  const bool spread = next != nullptr && n == kKeys;
   for (int64_t h = 0; h < kv_heads; ++h) {
-    if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
+    if (next != nullptr && !spread) prefetch_rows(next, head_bytes, h * head_bytes);
     for (int64_t g = 0; g < group;) {
       const int64_t head = h * group + g, count = std::min<int64_t>(4, group - g);
       const uint32_t* p = pairs + head * ld_pairs + t0 / 2;
+      const bool ask = spread && g == 0;
       for (int64_t c = 0; c < D; c += C) {
         float* a = acc + head * D + c;
-        switch (count) {
-          case 4: tile_value_pairs<4>(p, rows, n, h * D + c, ld_pairs, a, D); break;
-          case 3: tile_value_pairs<3>(p, rows, n, h * D + c, ld_pairs, a, D); break;
-          case 2: tile_value_pairs<2>(p, rows, n, h * D + c, ld_pairs, a, D); break;
-          default: tile_value_pairs<1>(p, rows, n, h * D + c, ld_pairs, a, D); break;
+        const int64_t at = h * D + c;
+        switch (count * 2 + ask) {
+          case 9: tile_value_pairs<4, true>(p, rows, n, at, ld_pairs, a, D, next); break;
+          case 8: tile_value_pairs<4>(p, rows, n, at, ld_pairs, a, D); break;
+          case 7: tile_value_pairs<3, true>(p, rows, n, at, ld_pairs, a, D, next); break;
+          case 6: tile_value_pairs<3>(p, rows, n, at, ld_pairs, a, D); break;
+          case 5: tile_value_pairs<2, true>(p, rows, n, at, ld_pairs, a, D, next); break;
+          case 4: tile_value_pairs<2>(p, rows, n, at, ld_pairs, a, D); break;
+          case 3: tile_value_pairs<1, true>(p, rows, n, at, ld_pairs, a, D, next); break;
+          default: tile_value_pairs<1>(p, rows, n, at, ld_pairs, a, D); break;
         }
       }
       g += count;
@@ -416,8 +438,13 @@ template <int64_t D, typename T, typename KV>
 inline void tile_scores(const T* q, const KV* const* rows, int64_t t0, int64_t kv_heads, int64_t group, float scale,
                         float* scores, int64_t ld, const KV* const* next) {
   constexpr int64_t head_bytes = D * static_cast<int64_t>(sizeof(KV));
+#if defined(__AVX512BF16__)
+  constexpr bool spread = std::is_same_v<KV, bf16>;  // asked for key by key inside head_scores
+#else
+  constexpr bool spread = false;
+#endif
   for (int64_t h = 0; h < kv_heads; ++h) {
-    if (next != nullptr) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
+    if (next != nullptr && !spread) prefetch_rows(next, head_bytes, h * head_bytes);  // spread over the heads
     if constexpr (std::is_same_v<KV, f8>) {
       using W = WideKey<T>;
       alignas(64) W wide[kKeys][D];
@@ -427,8 +454,15 @@ inline void tile_scores(const T* q, const KV* const* rows, int64_t t0, int64_t k
       for (int64_t head = h * group; head < (h + 1) * group; ++head)
         head_scores<D>(q + head * D, wide_rows, 0, scale, scores + head * ld + t0);
     } else {
-      for (int64_t head = h * group; head < (h + 1) * group; ++head)
+      for (int64_t head = h * group; head < (h + 1) * group; ++head) {
+        if constexpr (spread) {
+          if (next != nullptr && head == h * group) {  // the group's first head asks for the next rows
+            head_scores<D, T, KV, true>(q + head * D, rows, h * D, scale, scores + head * ld + t0, next);
+            continue;
+          }
+        }
         head_scores<D>(q + head * D, rows, h * D, scale, scores + head * ld + t0);
+      }
     }
   }
 }
