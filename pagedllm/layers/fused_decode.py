@@ -11,8 +11,9 @@ takes only the steps it can run exactly as the loop would:
   the rows up to which every projection goes to `packed_gemm` (csrc/small_gemm.cpp), or for
   weights kept quantized (a GGUF's, weights=native) to `quant_gemm` (csrc/quant_gemm.cpp) and,
   in bfloat16 on a CPU with AMX, past its rows to the AMX tile kernel (csrc/quant_amx.cpp, up
-  to `quantized.TILE_MAX_ROWS`, 224).  On a 2-core AMX Xeon that took SmolLM2's 24- and 40-row steps from
-  35 and 50 ms to 31 and 41-45, and 96-160-row steps about 3% (benchmarks/step_profile.py);
+  to `quantized.TILE_MAX_ROWS`, 224).  On a 2-core AMX Xeon that took SmolLM2's 24- and 40-row
+  steps from 34-35 and 49-50 ms to 31 and 41-45, and 96-160-row steps about 3% faster
+  (benchmarks/step_profile.py; docs/performance.md);
 - plain llama layers (no biases, no q/k norm) or Gemma 3's, the C++ attention and
   elementwise kernels, no tensor parallelism (the model checks those).  With layer groups
   (core/layer_groups.py: Gemma 3's sliding layers free their old blocks) each layer reads its
