@@ -43,7 +43,11 @@
 namespace pagedllm {
 namespace {
 
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 8;  // 32 vector registers: 8 rows' sums and accumulators beside the weights
+#else
 constexpr int64_t kTileRows = 4;
+#endif
 
 // Activation rows quantized per block of 32.
 struct QuantizedRows {
@@ -354,7 +358,15 @@ void panel_rows(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
     case 1: return panel_tile<Bits, Group, 1>(wq, ws, wm, zero, x, row0, k, out);
     case 2: return panel_tile<Bits, Group, 2>(wq, ws, wm, zero, x, row0, k, out);
     case 3: return panel_tile<Bits, Group, 3>(wq, ws, wm, zero, x, row0, k, out);
+    case 4: return panel_tile<Bits, Group, 4>(wq, ws, wm, zero, x, row0, k, out);
+#if defined(__AVX512F__)
+    case 5: return panel_tile<Bits, Group, 5>(wq, ws, wm, zero, x, row0, k, out);
+    case 6: return panel_tile<Bits, Group, 6>(wq, ws, wm, zero, x, row0, k, out);
+    case 7: return panel_tile<Bits, Group, 7>(wq, ws, wm, zero, x, row0, k, out);
+    default: return panel_tile<Bits, Group, 8>(wq, ws, wm, zero, x, row0, k, out);
+#else
     default: return panel_tile<Bits, Group, 4>(wq, ws, wm, zero, x, row0, k, out);
+#endif
   }
 }
 
