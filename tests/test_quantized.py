@@ -127,6 +127,31 @@ def test_the_amx_tile_kernel_matches_the_dequantized_product(kind):
         KERNELS.quant_amx_gemm(x.float(), packed, torch.empty(20, 70))
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_amx, reason="no AMX-BF16 tiles here")
+def test_a_large_tile_kernel_output_streamed_around_the_cache_is_the_same():
+    # 64 rows x 32,768 columns of bfloat16 is 4 MiB, where the tile kernel writes its output with
+    # streaming stores (an LM head's); 32 rows at a time it writes through the cache.  A row's
+    # products do not depend on the rows beside it, so both must give the same bits.
+    weight = repack(random_tensor("Q8_0", 32768, 64, seed=5), "Q8_0", 32768, 64)
+    packed = pack(weight, KERNELS.quant_panel_width, KERNELS.quant_unsigned8)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    streamed = torch.full((64, 32768), 5.0, dtype=torch.bfloat16)
+    KERNELS.quant_amx_gemm(x, packed, streamed)
+    halves = torch.cat([torch.empty(32, 32768, dtype=torch.bfloat16) for _ in range(2)])
+    for part in (slice(0, 32), slice(32, 64)):
+        out = torch.empty(32, 32768, dtype=torch.bfloat16)
+        KERNELS.quant_amx_gemm(x[part], packed, out)
+        halves[part] = out
+    assert torch.equal(streamed, halves)
+    want = x.float() @ weight.dequantize(torch.bfloat16).float().T
+    assert (streamed.float() - want).abs().max() <= 8e-3 * want.abs().max()
+    # at a column offset the rows do not start on cache lines: written through the cache instead
+    wide = torch.full((64, 32768 + 3), 5.0, dtype=torch.bfloat16)
+    KERNELS.quant_amx_gemm(x, packed, wide, col=3)
+    assert torch.equal(wide[:, 3:], streamed) and bool((wide[:, :3] == 5).all())
+
+
 @pytest.mark.skipif(
     KERNELS is None or not KERNELS.dequantize_blocked_bf16 or not onednn_blocked_layout(96, 512),
     reason="no AVX512-BF16 build or oneDNN packs bfloat16 weights in another layout here",

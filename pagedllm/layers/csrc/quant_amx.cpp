@@ -188,6 +188,7 @@ struct ChunkDequantizer {
 constexpr int64_t kChunkPanels = 2;  // panels (of kPanel = 16 columns) one thread dequantizes at a time
 constexpr int64_t kRowBlock = 512;   // rows of x multiplied per dequantized chunk (a multiple of 32)
 constexpr int64_t kStepBlocks = 16;  // blocks of k per step of multiply_chunk: 2 panels' B tiles, 32 KB
+constexpr int64_t kStreamOutputBytes = int64_t{4} << 20;  // twice a core's L2 on the Xeons with AMX
 
 // Memory a chunk's multiply asks for (into L2, prefetcht1) while the tile unit works: the next
 // chunk's quantized values, scales and mins, spread evenly over the multiply's blocks of k.
@@ -257,10 +258,11 @@ void pack_rows(const bf16* x, int64_t rows, int64_t k, uint16_t* a) {
 // passes' A tiles stream from L2, so each tile load but the first pass's hits L1.  (Walking
 // all of k per pass read both operands from L2, one tile load per `tdpbf16ps`, which the L2
 // cannot feed at the tile unit's rate.)  The 32 x 32 float accumulators of each pass wait in
-// `acc` [rows rounded up to 32][32] between steps.
+// `acc` [rows rounded up to 32][32] between steps.  `stream`: y's rows are written with
+// streaming stores where they fill whole cache lines (see amx_gemm).
 template <typename Dequantizer>
 void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf, int64_t np, int64_t cols, bf16* y,
-                    int64_t ldy, float* acc, const Ahead& ahead, Dequantizer& following) {
+                    int64_t ldy, float* acc, const Ahead& ahead, Dequantizer& following, bool stream) {
   const int64_t blocks = k / kBlock;
   const bool two = np > 1;
   constexpr int64_t ldc = 32 * sizeof(float);
@@ -314,9 +316,15 @@ void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf
     }
   }
   const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  // A whole chunk's rows that fill whole cache lines go around the cache when the output is large.
+  const bool around = stream && cols == 32 && reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % 32 == 0;
   for (int64_t r = 0; r < m; ++r) {
     const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(acc + r * 32 + 16), _mm512_loadu_ps(acc + r * 32));
-    _mm512_mask_storeu_epi16(y + r * ldy, mask, out);
+    if (around) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + r * ldy), out);
+    } else {
+      _mm512_mask_storeu_epi16(y + r * ldy, mask, out);
+    }
   }
 }
 
@@ -329,6 +337,10 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
   // stays in L2 beside the chunk rather than streaming from L3 once per chunk.
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   std::vector<uint16_t> a((std::min(m, kRowBlock) + 31) / 32 * 32 * k);
+  // An output larger than kStreamOutputBytes (an LM head's, of many rows) is written around
+  // the cache (streaming stores, whole lines), since it cannot stay there anyway: written
+  // through it, each line was first read from memory and evicted what the step reads next.
+  const bool stream = m * n * static_cast<int64_t>(sizeof(bf16)) >= kStreamOutputBytes;
 #pragma omp parallel
   {
     configure_tiles();
@@ -364,11 +376,12 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
                                 : Ahead{};
         const int64_t p0 = chunk * kChunkPanels, np = panels_of(chunk);
         multiply_chunk(a.data(), rows, k, current, np, std::min(np * kPanel, n - p0 * kPanel),
-                       y + r0 * ldy + p0 * kPanel, ldy, acc.data(), ahead, following);
+                       y + r0 * ldy + p0 * kPanel, ldy, acc.data(), ahead, following, stream);
         following.finish();
       }
 #pragma omp barrier  // every thread is done with `a` before the next row block packs it
     }
+    if (stream) _mm_sfence();  // the streamed rows are visible before the caller reads them
     _tile_release();
   }
 }
