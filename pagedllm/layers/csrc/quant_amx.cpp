@@ -209,7 +209,7 @@ struct Ahead {
       }
     }
   };
-  // A cursor whose `per` lines a call, over `iterations` calls, ask for every line.
+  // A cursor for `iterations` blocks: `per` lines a block cover every line.
   Cursor spread(int64_t iterations) const {
     const int64_t total = lines[0] + lines[1] + lines[2];
     return Cursor{this, (total + iterations - 1) / std::max<int64_t>(1, iterations)};
