@@ -69,6 +69,7 @@ def quantized_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
         # VNNI's integer products outrun every float GEMM without AMX, at every row count: on a
         # 2-core AVX512-BF16 EPYC (no AMX), SmolLM2's projections took 0.80x the time of the
         # dequantized bfloat16 weights at 2,048 rows and 0.92x at 128, and 0.54x of float32's at 2,048.
+        # (float32 on an AMX CPU keeps INT_MAX_ROWS: not measured there.)
         return UNLIMITED_ROWS
     return INT_MAX_ROWS
 
