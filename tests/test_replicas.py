@@ -108,7 +108,11 @@ def test_a_replica_killed_mid_run_loses_no_request(frontend, cluster):
 
     def ask(i: int) -> str:
         try:
-            reply = oai.completions.create(model=MODEL, prompt=f"Count to ten, attempt {i}:", max_tokens=48)
+            # ignore_eos: every request runs its 48 tokens, so those on the killed replica are still
+            # in flight when it dies (an early end of text let them all finish first on a fast CPU).
+            reply = oai.completions.create(
+                model=MODEL, prompt=f"Count to ten, attempt {i}:", max_tokens=48, extra_body={"ignore_eos": True}
+            )
             return "answered" if reply.choices[0].text is not None else "empty"
         except openai.APIError as error:
             return f"error: {error}"
