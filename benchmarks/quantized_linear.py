@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-head", action="store_true", help="the layers' projections alone (as a prompt step runs)")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("the C++ kernels do not build here")
     dtype = resolve_dtype(args.dtype, "cpu")
     config, weights = load_weights(resolve_model_path(args.model), keep_quantized=True)
-    quantized = fused(weights, config)
+    quantized = fused(weights, config)[: -1 if args.no_head else None]
     backend = resolve_linear_backend("auto", dtype)
     packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
     ways: dict[str, list] = {
@@ -71,7 +72,9 @@ def main() -> None:
         "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=0, blocked=False) for w in packed],
         "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
-    print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{cpu_summary()}; {dtype}; {args.model}{' without its LM head' if args.no_head else ''}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>22}" for name in ways) + f" {'int/dense':>10}")
     for m in args.rows:
         x = torch.randn(m, config.hidden_size).to(dtype)
