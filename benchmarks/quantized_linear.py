@@ -1,10 +1,11 @@
 """Projections on GGUF weights kept quantized against the same weights dequantized, per row count.
 
     python benchmarks/quantized_linear.py [--model smollm2|gemma3-270m] [--dtype auto|float32|bfloat16]
-                                          [--rows 1 2 4 8 16 32 64 128 512] [--rounds 5]
+                                          [--rows 1 2 4 8 16 32 64 128 512] [--rounds 5] [--no-head]
 
-One pass runs every projection of every layer, and the LM head, as a step of `rows` rows does,
-so the weights come from memory as in the engine.  The ways, alternated round by round:
+One pass runs every projection of every layer, and the LM head (left out with `--no-head`, to
+time what a prompt step's rows run through), as a step of `rows` rows does, so the weights come
+from memory as in the engine.  The ways, alternated round by round:
 - `int`: the integer kernels on the quantized blocks (csrc/quant_gemm.cpp);
 - `amx` (bfloat16 on a CPU with AMX-BF16): the tile kernel, which dequantizes a few panels at a
   time into the thread's cache (csrc/quant_amx.cpp);
@@ -72,9 +73,8 @@ def main() -> None:
         "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=0, blocked=False) for w in packed],
         "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
-    print(
-        f"{cpu_summary()}; {dtype}; {args.model}{' without its LM head' if args.no_head else ''}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
+    what = args.model + (" without its LM head" if args.no_head else "")
+    print(f"{cpu_summary()}; {dtype}; {what}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>22}" for name in ways) + f" {'int/dense':>10}")
     for m in args.rows:
         x = torch.randn(m, config.hidden_size).to(dtype)
