@@ -261,8 +261,8 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = wq + b * block_bytes(Bits);
-    typename V::I sum[R], sum_hi[R];  // sum_hi: the block's second group of 16 (Group == 16)
-    for (int r = 0; r < R; ++r) sum[r] = sum_hi[r] = V::zero();
+    typename V::I sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = V::zero();
     if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
@@ -270,10 +270,14 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
         for (int r = 0; r < R; ++r) {
           typename V::I xv = V::broadcast(xq + r * k + b * kBlock + 4 * j);
           if constexpr (!kUnsigned8) xv = V::sign8(xv, v);
-          if (Group == 16 && j >= 4) {
-            sum_hi[r] = V::dot(sum_hi[r], u, xv);
-          } else {
-            sum[r] = V::dot(sum[r], u, xv);
+          sum[r] = V::dot(sum[r], u, xv);
+        }
+        if (Group == 16 && j == 3) {  // the first group of 16 folded here: a second set of R sums spilled registers
+          const typename V::F scale = V::fload(ws + 2 * b * kPanel);
+          for (int r = 0; r < R; ++r) {
+            if (zero != 0) sum[r] = V::sub32(sum[r], zero * halves[r * 2 * blocks + 2 * b]);
+            acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(xd[r * blocks + b])), acc[r]);
+            sum[r] = V::zero();
           }
         }
       }
@@ -296,23 +300,13 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
     if (zero != 0) {  // sum of (u - zero) * x = sum of u * x - zero * sum of x
       for (int r = 0; r < R; ++r) {
         const int32_t* h = halves + r * 2 * blocks + 2 * b;
-        if constexpr (Group == 16) {
-          sum[r] = V::sub32(sum[r], zero * h[0]);
-          sum_hi[r] = V::sub32(sum_hi[r], zero * h[1]);
-        } else {
-          sum[r] = V::sub32(sum[r], zero * (h[0] + h[1]));
-        }
+        sum[r] = V::sub32(sum[r], zero * (Group == 16 ? h[1] : h[0] + h[1]));
       }
     }
-    const int64_t g = Group == 16 ? 2 * b : b;
+    const int64_t g = Group == 16 ? 2 * b + 1 : b;  // the block's (last) group
     const typename V::F scale = V::fload(ws + g * kPanel);
     for (int r = 0; r < R; ++r)
       acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(xd[r * blocks + b])), acc[r]);
-    if constexpr (Group == 16) {
-      const typename V::F scale_hi = V::fload(ws + (g + 1) * kPanel);
-      for (int r = 0; r < R; ++r)
-        acc[r] = V::fmadd(V::to_float(sum_hi[r]), V::mul(scale_hi, V::fset(xd[r * blocks + b])), acc[r]);
-    }
   }
   if (wm != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -370,6 +364,22 @@ void panel_rows(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
   }
 }
 
+// A tile's floats to row `dst` of y: whole vectors where the panel is full.
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t cols) {
+#if defined(__AVX2__)
+  if (cols == kPanel) return Isa::store(dst, Isa::fload(src));
+#endif
+  for (int64_t c = 0; c < cols; ++c) dst[c] = from_float<T>(src[c]);
+}
+
+// Where the quantized activations outgrow a core's L2 (kFitsL2Bytes), rows are taken in blocks
+// of about kRowBlockBytes, each block against every panel in turn: the block stays in L2 while
+// the weight (a few hundred KiB to a few MiB) streams past it.  Panel by panel over all the rows
+// instead, each panel read every row's activations again from L3 or memory: 4,096-row steps
+// of Gemma 3's projections took 1.23x the time they take blocked (2-core EPYC, AVX512-VNNI).
+constexpr int64_t kRowBlockBytes = 128 << 10, kFitsL2Bytes = 1 << 20;
+
 // y[r * ldy + j] for j < n: row r of x times column j of the weight.
 template <typename T, int Bits, int Group>
 void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
@@ -378,16 +388,20 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, 
   quantize_rows(x, m, k, Group, xr);
   const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
   const int64_t panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t cols = std::min(kPanel, n - p * kPanel);
-    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, m - r0);
-      float out[kTileRows][kPanel];
-      panel_rows<Bits, Group>(qs + p * panel_bytes, scales + p * panel_floats,
-                              mins == nullptr ? nullptr : mins + p * panel_floats, zero, xr, r0, rows, k, out);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) y[(r0 + r) * ldy + p * kPanel + c] = from_float<T>(out[r][c]);
+  const int64_t block_rows = m * k <= kFitsL2Bytes ? std::max<int64_t>(m, 1)
+                                                   : std::max<int64_t>(1, kRowBlockBytes / k / kTileRows) * kTileRows;
+  const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t cols = std::min(kPanel, n - p * kPanel), end = std::min(m, (rb + 1) * block_rows);
+      for (int64_t r0 = rb * block_rows; r0 < end; r0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, end - r0);
+        float out[kTileRows][kPanel];
+        panel_rows<Bits, Group>(qs + p * panel_bytes, scales + p * panel_floats,
+                                mins == nullptr ? nullptr : mins + p * panel_floats, zero, xr, r0, rows, k, out);
+        for (int64_t r = 0; r < rows; ++r) store_row(y + (r0 + r) * ldy + p * kPanel, out[r], cols);
+      }
     }
   }
 }
