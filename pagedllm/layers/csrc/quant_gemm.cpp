@@ -49,7 +49,8 @@ constexpr int64_t kTileRows = 8;  // 32 vector registers: 8 rows' sums and accum
 constexpr int64_t kTileRows = 4;
 #endif
 
-// Activation rows quantized per block of 32.
+// Activation rows quantized per block of 32.  One per calling thread, kept between calls and
+// only ever grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
 struct QuantizedRows {
   std::vector<int8_t> q;        // [m, k]
   std::vector<float> scale;     // [m, k / 32]
@@ -117,10 +118,13 @@ inline float quantize_block(const T* x, int8_t* q, int32_t* half) {
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRows& out) {
   const int64_t blocks = m * k / kBlock;
-  out.q.resize(m * k);
-  out.scale.resize(blocks);
-  out.sums.resize(m * k / group);
-  out.halves.resize(m * k / 16);
+  const auto grow = [](auto& v, int64_t size) {
+    if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+  };
+  grow(out.q, m * k);
+  grow(out.scale, blocks);
+  grow(out.sums, m * k / group);
+  grow(out.halves, m * k / 16);
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < blocks; ++i) {  // rows are contiguous and k % 32 == 0: block i of the flat [m * k]
     int32_t half[2];
@@ -384,7 +388,8 @@ constexpr int64_t kRowBlockBytes = 128 << 10, kFitsL2Bytes = 1 << 20;
 template <typename T, int Bits, int Group>
 void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
                 const float* scales, const float* mins, int32_t zero) {
-  QuantizedRows xr;
+  thread_local QuantizedRows this_threads;
+  QuantizedRows& xr = this_threads;  // inside the parallel region the name would be each worker's own
   quantize_rows(x, m, k, Group, xr);
   const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
   const int64_t panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
