@@ -276,7 +276,7 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
           if constexpr (!kUnsigned8) xv = V::sign8(xv, v);
           sum[r] = V::dot(sum[r], u, xv);
         }
-        if (Group == 16 && j == 3) {  // the first group of 16 folded here: a second set of R sums spilled registers
+        if (Group == 16 && j == 3) {  // the first group of 16 folded here, not kept in a second set of R sums
           const typename V::F scale = V::fload(ws + 2 * b * kPanel);
           for (int r = 0; r < R; ++r) {
             if (zero != 0) sum[r] = V::sub32(sum[r], zero * halves[r * 2 * blocks + 2 * b]);
@@ -380,8 +380,9 @@ inline void store_row(T* dst, const float* src, int64_t cols) {
 // Where the quantized activations outgrow a core's L2 (kFitsL2Bytes), rows are taken in blocks
 // of about kRowBlockBytes, each block against every panel in turn: the block stays in L2 while
 // the weight (a few hundred KiB to a few MiB) streams past it.  Panel by panel over all the rows
-// instead, each panel read every row's activations again from L3 or memory: 4,096-row steps
-// of Gemma 3's projections took 1.23x the time they take blocked (2-core EPYC, AVX512-VNNI).
+// instead, each panel read every row's activations again from L3 or memory, and Gemma 3's
+// prompt steps were no faster than on its dequantized weights (2-core EPYC with AVX512-VNNI;
+// benchmarks/weights_compare.py, docs/performance.md).
 constexpr int64_t kRowBlockBytes = 128 << 10, kFitsL2Bytes = 1 << 20;
 
 // y[r * ldy + j] for j < n: row r of x times column j of the weight.
