@@ -52,6 +52,20 @@ def test_allocation_on_demand():
     assert kv.num_free_blocks == 10 and not kv.block_tables
 
 
+def test_blocks_taken_together_lie_in_memory_order_per_group():
+    # A finished request's blocks come back tail first; the next request still gets them ascending.
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv.allocate_slots("a", 16)
+    kv.free("a")
+    assert kv.allocate_slots("b", 16).new_block_ids == [0, 1, 2, 3]
+    # Two layer groups: a table holds each block of tokens' two entries side by side, and each
+    # group's own entries form one ascending run of the pool's blocks (not every other block).
+    grouped = KVCacheManager(num_blocks=24, block_size=4, group_windows=(0, 8))
+    grouped.allocate_slots("c", 12)
+    table = grouped.block_table("c")
+    assert table[0::2] == [0, 1, 2] and table[1::2] == [3, 4, 5]
+
+
 def test_allocate_slots_fails_cleanly_when_full():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     kv.allocate_slots("a", 8)

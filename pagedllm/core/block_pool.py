@@ -56,12 +56,17 @@ class BlockPool:
         return self.ref_counts[block] == 0
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` free blocks, each with reference count 1 (all or none), evicting cached content."""
+        """Take `count` free blocks, each with reference count 1 (all or none), evicting cached content.
+
+        Which blocks: the least recently freed.  In what order: ascending ids, so that blocks taken
+        together lie in memory order in a request's table (a finished request's are freed tail
+        first); decode attention walks a table in order, and the hardware prefetcher follows an
+        ascending run of blocks where it loses the thread at every step back."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({count})")
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        blocks = sorted(self._free.popitem(last=False)[0] for _ in range(count))
         for block in blocks:
             self.ref_counts[block] = 1
             key = self.block_keys[block]

@@ -280,7 +280,13 @@ class KVCacheManager:
             table[position] = copy
             self.pool.free_blocks([source])  # others still hold it: only the count drops
             copies.append((source, copy))
-        table.extend(new_blocks)  # G entries per new block of tokens, any pool block serves any group
+        # G entries per new block of tokens, any pool block serves any group.  Each group takes its
+        # blocks as one ascending run of the pool's (ascending) blocks: handed out entry by entry, a
+        # group's consecutive blocks lay G blocks apart, and Gemma 3's decode attention (6 groups)
+        # read K/V at the rate of blocks placed at random (benchmarks/attention_bandwidth.py).
+        per_group = len(new_blocks) // num_groups
+        new_blocks = [new_blocks[g * per_group + i] for i in range(per_group) for g in range(num_groups)]
+        table.extend(new_blocks)
         return AllocationResult(new_blocks, copies)
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
