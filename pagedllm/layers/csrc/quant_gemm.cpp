@@ -49,13 +49,18 @@ constexpr int64_t kTileRows = 8;  // 32 vector registers: 8 rows' sums and accum
 constexpr int64_t kTileRows = 4;
 #endif
 
-// Activation rows quantized per block of 32.  One per calling thread, kept between calls and
-// only ever grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
+// Activation rows quantized per block of 32, block-major: a block's rows lie side by side, so
+// a tile of rows reads each block through one pointer at fixed offsets (a pointer per row ran
+// the kernels out of registers).  One per calling thread, kept between calls and only ever
+// grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
 struct QuantizedRows {
-  std::vector<int8_t> q;        // [m, k]
-  std::vector<float> scale;     // [m, k / 32]
-  std::vector<float> sums;      // [m, k / group]: scale * the sum of q over each group of the weight's
-  std::vector<int32_t> halves;  // [m, k / 16]: the sum of q over each 16 values
+  int64_t m = 0;                // rows
+  std::vector<int8_t> q;        // [k / 32, m, 32]
+  std::vector<float> scale;     // [k / 32, m]
+  std::vector<float> sums;      // [k / group, m]: scale * the sum of q over each group of the weight's
+  // [k / group, m]: -zero * the sum of q over each group of the weight, where a group's integer
+  // sums start (so the zero point costs the kernels a broadcast load, not a subtraction)
+  std::vector<int32_t> zero_sums;
 };
 
 #if defined(__AVX2__) && !defined(__AVX512F__)  // load8: avx2.h
@@ -116,7 +121,7 @@ inline float quantize_block(const T* x, int8_t* q, int32_t* half) {
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRows& out) {
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int32_t zero, QuantizedRows& out) {
   const int64_t blocks = m * k / kBlock;
   const auto grow = [](auto& v, int64_t size) {
     if (static_cast<int64_t>(v.size()) < size) v.resize(size);
@@ -124,20 +129,24 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, QuantizedRow
   grow(out.q, m * k);
   grow(out.scale, blocks);
   grow(out.sums, m * k / group);
-  grow(out.halves, m * k / 16);
+  grow(out.zero_sums, m * k / group);
+  out.m = m;
+  const int64_t row_blocks = k / kBlock;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < blocks; ++i) {  // rows are contiguous and k % 32 == 0: block i of the flat [m * k]
+    const int64_t row = i / row_blocks, b = i % row_blocks, at = b * m + row;
     int32_t half[2];
-    const float d = quantize_block(x + i * kBlock, out.q.data() + i * kBlock, half);
-    out.halves[2 * i] = half[0];
-    out.halves[2 * i + 1] = half[1];
+    const float d = quantize_block(x + i * kBlock, out.q.data() + at * kBlock, half);
     if (group == kBlock) {
-      out.sums[i] = d * static_cast<float>(half[0] + half[1]);
+      out.sums[at] = d * static_cast<float>(half[0] + half[1]);
+      out.zero_sums[at] = -zero * (half[0] + half[1]);
     } else {
-      out.sums[2 * i] = d * static_cast<float>(half[0]);
-      out.sums[2 * i + 1] = d * static_cast<float>(half[1]);
+      out.sums[2 * b * m + row] = d * static_cast<float>(half[0]);
+      out.sums[(2 * b + 1) * m + row] = d * static_cast<float>(half[1]);
+      out.zero_sums[2 * b * m + row] = -zero * half[0];
+      out.zero_sums[(2 * b + 1) * m + row] = -zero * half[1];
     }
-    out.scale[i] = d;
+    out.scale[at] = d;
   }
 }
 
@@ -155,6 +164,7 @@ struct Isa {
     return _mm512_set1_epi32(v);
   }
   static I zero() { return _mm512_setzero_si512(); }
+  static I set32(const int32_t* p) { return _mm512_set1_epi32(*p); }
   // acc + the sums of u[i] * s[i] over each 4 bytes (u unsigned, s signed)
   static I dot(I acc, I u, I s) {
 #if defined(__AVX512VNNI__)
@@ -206,6 +216,7 @@ struct Isa {
     return _mm256_set1_epi32(v);
   }
   static I zero() { return _mm256_setzero_si256(); }
+  static I set32(const int32_t* p) { return _mm256_set1_epi32(*p); }
   static I dot(I acc, I u, I s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
@@ -256,32 +267,35 @@ template <int Bits, int Group, int R>
 void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
                 int64_t row0, int64_t k, float (*out)[kPanel]) {
   using V = Isa;
-  const int64_t blocks = k / kBlock, groups = k / Group;
-  const int8_t* xq = x.q.data() + row0 * k;
-  const float* xd = x.scale.data() + row0 * blocks;
-  const float* xs = x.sums.data() + row0 * groups;
-  const int32_t* halves = x.halves.data() + row0 * 2 * blocks;
+  const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
+  const int8_t* xq = x.q.data() + row0 * kBlock;  // QuantizedRows' block-major layout from here on
+  const float* xd = x.scale.data() + row0;
+  const float* xs = x.sums.data() + row0;
+  // A group's sums start at -zero * the sum of its x: sum of (u - zero) * x = sum of u * x - zero * sum of x
+  const int32_t* zs = x.zero_sums.data() + row0;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = wq + b * block_bytes(Bits);
+    const int8_t* rows = xq + b * m * kBlock;  // row r's block at rows + r * kBlock
+    const float* d = xd + b * m;
+    const int32_t* z = zs + (Group == 16 ? 2 * b : b) * m;  // the block's first group
     typename V::I sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = V::zero();
+    for (int r = 0; r < R; ++r) sum[r] = V::set32(z + r);
     if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
         const typename V::I u = kUnsigned8 ? v : V::abs8(v);
         for (int r = 0; r < R; ++r) {
-          typename V::I xv = V::broadcast(xq + r * k + b * kBlock + 4 * j);
+          typename V::I xv = V::broadcast(rows + r * kBlock + 4 * j);
           if constexpr (!kUnsigned8) xv = V::sign8(xv, v);
           sum[r] = V::dot(sum[r], u, xv);
         }
         if (Group == 16 && j == 3) {  // the first group of 16 folded here, not kept in a second set of R sums
           const typename V::F scale = V::fload(ws + 2 * b * kPanel);
           for (int r = 0; r < R; ++r) {
-            if (zero != 0) sum[r] = V::sub32(sum[r], zero * halves[r * 2 * blocks + 2 * b]);
-            acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(xd[r * blocks + b])), acc[r]);
-            sum[r] = V::zero();
+            acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
+            sum[r] = V::set32(z + m + r);
           }
         }
       }
@@ -295,27 +309,20 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
           hi = V::or_(hi, V::fifth(fifth_bits, j + 4));
         }
         for (int r = 0; r < R; ++r) {
-          const int8_t* row = xq + r * k + b * kBlock;
+          const int8_t* row = rows + r * kBlock;
           sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
           sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
         }
       }
     }
-    if (zero != 0) {  // sum of (u - zero) * x = sum of u * x - zero * sum of x
-      for (int r = 0; r < R; ++r) {
-        const int32_t* h = halves + r * 2 * blocks + 2 * b;
-        sum[r] = V::sub32(sum[r], zero * (Group == 16 ? h[1] : h[0] + h[1]));
-      }
-    }
     const int64_t g = Group == 16 ? 2 * b + 1 : b;  // the block's (last) group
     const typename V::F scale = V::fload(ws + g * kPanel);
-    for (int r = 0; r < R; ++r)
-      acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(xd[r * blocks + b])), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
   }
   if (wm != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
       const typename V::F mins = V::fload(wm + g * kPanel);
-      for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::fset(xs[r * groups + g]), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::fset(xs[g * m + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) V::fstore(out[r], acc[r]);
@@ -325,16 +332,17 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
 template <int Bits, int Group, int R>
 void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
                 int64_t row0, int64_t k, float (*out)[kPanel]) {
-  const int64_t blocks = k / kBlock, groups = k / Group;
+  const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
   for (int r = 0; r < R; ++r) {
-    const int8_t* xq = x.q.data() + (row0 + r) * k;
+    const int64_t row = row0 + r;
     for (int64_t c = 0; c < kPanel; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* xq = x.q.data() + (b * m + row) * kBlock;
         int32_t half[2] = {0, 0};
         for (int64_t j = 0; j < kBlock; ++j)
-          half[j / 16] += (panel_value(wq + b * block_bytes(Bits), Bits, c, j) - zero) * xq[b * kBlock + j];
-        const float d = x.scale[(row0 + r) * blocks + b];
+          half[j / 16] += (panel_value(wq + b * block_bytes(Bits), Bits, c, j) - zero) * xq[j];
+        const float d = x.scale[b * m + row];
         if (Group == 32) {
           acc += d * ws[b * kPanel + c] * static_cast<float>(half[0] + half[1]);
         } else {
@@ -342,7 +350,7 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
         }
       }
       if (wm != nullptr)
-        for (int64_t g = 0; g < groups; ++g) acc += wm[g * kPanel + c] * x.sums[(row0 + r) * groups + g];
+        for (int64_t g = 0; g < groups; ++g) acc += wm[g * kPanel + c] * x.sums[g * m + row];
       out[r][c] = acc;
     }
   }
@@ -391,7 +399,7 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, 
                 const float* scales, const float* mins, int32_t zero) {
   thread_local QuantizedRows this_threads;
   QuantizedRows& xr = this_threads;  // inside the parallel region the name would be each worker's own
-  quantize_rows(x, m, k, Group, xr);
+  quantize_rows(x, m, k, Group, zero, xr);
   const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
   const int64_t panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
   const int64_t block_rows = m * k <= kFitsL2Bytes ? std::max<int64_t>(m, 1)
