@@ -119,10 +119,16 @@ def test_a_replica_killed_mid_run_loses_no_request(frontend, cluster):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(ask, i) for i in range(16)]
-        time.sleep(1.0)
-        router = httpx.get(frontend + "/stats").json()["router"]
-        busiest = max(range(2), key=lambda i: router["in_flight"][i])  # kill one that is serving requests
-        assert router["in_flight"][busiest] > 0
+        # Kill a replica as soon as it serves several requests: a fixed wait let a fast CPU finish
+        # the first wave and most of the second before the kill, leaving nothing to place again.
+        deadline = time.monotonic() + 30
+        while True:
+            router = httpx.get(frontend + "/stats").json()["router"]
+            busiest = max(range(2), key=lambda i: router["in_flight"][i])
+            if router["in_flight"][busiest] >= 2:
+                break
+            assert time.monotonic() < deadline, f"requests never in flight: {router['in_flight']}"
+            time.sleep(0.02)
         killed_pid = _server_pid(router["addresses"][busiest])
         os.kill(killed_pid, signal.SIGKILL)
         outcomes = [f.result(timeout=180) for f in futures]
