@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 
+from pagedllm.core.kv_cache_manager import FREED
 from pagedllm.core.scheduler import Scheduler
 
 
@@ -59,30 +60,34 @@ def sample_memory(scheduler: Scheduler, step: int, time_s: float, memory_bound: 
     kv = scheduler.kv_cache
     bs = kv.block_size
     head = scheduler.waiting[0].max_total_tokens if scheduler.waiting else None
-    filled: dict[int, int] = {}  # block -> tokens in it; shared blocks once
+    # Set operations over whole tables (C loops): this runs after every step, over every
+    # running request's blocks (thousands at a large batch).
+    full_blocks: set[int] = set()  # blocks some request has filled
+    partial: dict[int, int] = {}  # a request's last, part-filled block -> its tokens (the most any holder has)
     unshared = 0
     seen: set[int] = set()
     shared: set[int] = set()
     groups = getattr(kv, "num_groups", 1)
     for request in scheduler.running:
         table = kv.block_table(request.request_id)
-        held = [b for b in table if b >= 0]  # a sliding group's freed entries are -1
-        unshared += len(held)
-        shared.update(seen.intersection(held))
-        seen.update(held)
+        unshared += len(table) - table.count(FREED)
+        shared.update(seen.intersection(table))
+        seen.update(table)
         full, rest = divmod(request.num_computed_tokens, bs)
-        for block in table[: full * groups]:
-            if block >= 0:
-                filled[block] = bs
+        full_blocks.update(table[: full * groups])
         if rest:
             for block in table[full * groups : (full + 1) * groups]:
-                filled[block] = max(filled.get(block, 0), rest)
+                partial[block] = max(partial.get(block, 0), rest)
+    full_blocks.discard(FREED)  # a sliding group's entries whose blocks went back to the pool
+    shared.discard(FREED)
+    partial.pop(FREED, None)
+    tokens = len(full_blocks) * bs + sum(n for block, n in partial.items() if block not in full_blocks)
     return KVMemorySample(
         step=step,
         time_s=time_s,
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        tokens=sum(filled.values()),
+        tokens=tokens,
         allocated=kv.num_allocated_slots(),
         unshared=unshared * bs,
         shared=len(shared) * bs,
