@@ -80,3 +80,30 @@ def test_scheduler_says_why_the_queue_head_waits():
     for rid in "ab":
         s.add_request(make_request(rid, 4))
     assert s.schedule().admission_blocked_by == "max_num_seqs"
+
+
+def test_sliding_groups_and_shared_prefixes_count_each_block_once():
+    # Two layer groups, the second with a 4-token window: its old blocks go back to the pool
+    # (FREED entries in the tables); b's prompt repeats a's, so prefix caching shares blocks.
+    kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True, group_windows=(0, 4))
+    s = Scheduler(kv, max_num_batched_tokens=100, max_num_seqs=8)
+    s.add_request(make_request("a", 10, max_tokens=8))
+    run_step(s)
+    s.add_request(make_request("b", 10, max_tokens=8))
+    for _ in range(3):
+        run_step(s)
+    sample = KVMemoryTracker().record(s, step=1)
+
+    filled: dict[int, int] = {}  # block -> tokens in it, the plain way
+    tables = {r.request_id: kv.block_table(r.request_id) for r in s.running}
+    for r in s.running:
+        for index, block in enumerate(tables[r.request_id]):
+            if block >= 0:
+                tokens_before = index // 2 * 4  # two groups: entries interleave per block of positions
+                filled[block] = max(filled.get(block, 0), min(4, r.num_computed_tokens - tokens_before))
+    held = [b for t in tables.values() for b in t if b >= 0]
+    assert any(b < 0 for t in tables.values() for b in t)  # the window freed blocks
+    assert len(held) > len(set(held))  # and blocks are shared
+    assert sample.tokens == sum(n for n in filled.values() if n > 0)
+    assert sample.unshared == len(held) * 4
+    assert sample.shared == len({b for b in held if held.count(b) > 1}) * 4
