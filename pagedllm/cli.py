@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagedllm.benchmarking.commands import add_bench_parser
@@ -38,6 +39,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     if final is not None:
         print(f"[{len(final.token_ids)} tokens, finish reason: {final.finish_reason}]", file=sys.stderr)
+    if final is not None and final.finish_reason == "error":
+        print(f"pagedllm: error: the request failed: {final.error or 'see the log above'}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -153,7 +157,12 @@ def served_model_name(model: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm import __version__
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache")
+    parser = argparse.ArgumentParser(
+        prog="pagedllm",
+        description="LLM inference with a paged KV cache",
+        epilog="An error is one line on stderr and a nonzero exit; --debug (anywhere on the line) or "
+        "PAGEDLLM_DEBUG=1 shows its traceback.",
+    )
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -231,20 +240,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug anywhere on the line (or PAGEDLLM_DEBUG=1): an error shows its traceback.
+    debug = "--debug" in argv or os.environ.get("PAGEDLLM_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.log_level.upper() != "DEBUG":  # one line per HTTP call from the openai client is noise
         for noisy in ("httpx", "httpcore", "openai"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"pagedllm: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except (ValueError, FileNotFoundError) as error:  # bad settings, files or models: the user's to fix
+        if debug:
+            raise
+        print(f"pagedllm: error: {one_line(error)}", file=sys.stderr)
+        return 2
+    except Exception as error:  # anything else: still one line (the traceback with --debug)
+        if debug:
+            raise
+        print(f"pagedllm: error: {type(error).__name__}: {one_line(error)} (--debug shows where)", file=sys.stderr)
+        return 1
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

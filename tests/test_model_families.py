@@ -264,7 +264,7 @@ def test_an_unknown_gguf_tensor_is_named(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_sinks.weight' is not one a llama model has"):
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_sinks.weight': is not one a llama model has"):
         LLM(str(tmp_path / "extra.gguf"), dtype="float32", kv_cache_memory="16MiB")
 
 

@@ -93,6 +93,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         result = {"workload": workload_name, **run_bench(base, requests, ignore_eos=not args.respect_eos)}
     print_result(result, args.output)
+    return exit_status(result)
+
+
+def exit_status(result: dict) -> int:
+    """1 when any request of the run (of any setting compared) failed, after saying which."""
+    failed = failed_requests(result)
+    if failed:
+        print(f"pagedllm: error: {failed} requests failed; see failed_requests / first_error", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failed_requests(result) -> int:
+    if isinstance(result, dict):
+        own = result.get("failed_requests", result.get("failed", 0))
+        return (own if isinstance(own, int) else 0) + sum(
+            failed_requests(v) for k, v in result.items() if k not in ("failed_requests", "failed")
+        )
+    if isinstance(result, list):
+        return sum(failed_requests(v) for v in result)
     return 0
 
 
@@ -114,7 +133,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         replay(url, requests, args.request_rate, args.seed, args.served_model, args.max_concurrency, slos, args.api_key)
     )
     print_result({"workload": workload_name, "url": url, **result}, args.output)
-    return 0
+    return exit_status(result)
 
 
 def add_bench_parser(sub) -> None:

@@ -59,12 +59,15 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
     spec_before = dataclasses.replace(engine.speculation.stats) if engine.speculation is not None else None
     output_tokens = 0
     ttfts = []
+    errors: list[str] = []
     with tqdm(total=len(requests), desc=desc, unit="req") as bar:
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
                     output_tokens += sum(c.num_tokens for c in output.outputs)
                     ttfts.append(output.time_to_first_token or 0.0)
+                    if output.finish_reason == "error":
+                        errors.append(output.error or "unknown error")
                     bar.update(1)
     wall = time.perf_counter() - start
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
@@ -91,6 +94,9 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
         "ttft_median_s": round(ttfts[len(ttfts) // 2], 3),
+        # Requests a fault ended (`pagedllm bench` exits 1 when there are any).
+        "failed_requests": len(errors),
+        **({"first_error": errors[0]} if errors else {}),
         "kv_layout": engine.config.kv_layout,
         **({"reserve": engine.config.reserve} if engine.config.kv_layout == "contiguous" else {}),
         "max_model_len": engine.max_model_len,

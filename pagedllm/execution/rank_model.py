@@ -20,6 +20,7 @@ from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     available_memory_bytes,
     check_kv_cache_memory,
+    check_load_memory,
     check_max_model_len,
     fit_max_model_len,
     format_bytes,
@@ -32,7 +33,13 @@ from pagedllm.layers.quantized import QuantizedWeight, lm_head_max_rows, quantiz
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import AttentionFn, LlamaModel, QuantizedSetup
-from pagedllm.models.loader import forget_gguf_readers, gguf_tensor_bytes, load_weights, resolve_model_path
+from pagedllm.models.loader import (
+    forget_gguf_readers,
+    gguf_tensor_bytes,
+    load_weights,
+    resolve_model_path,
+    weight_memory_needed,
+)
 from pagedllm.models.registry import model_class
 from pagedllm.models.sharding import ShardLayout, check_tensor_parallel_size, shard_hf_weights
 
@@ -132,6 +139,8 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
     native = use_native_weights(config, path, device, tp, ops)
+    if not on_cuda and tp.rank == 0:
+        check_load_memory(weight_memory_needed(path, native), kv_budget // tp.size, available_memory_bytes())
     model_config, weights = load_weights(path, keep_quantized=native)
     check_tensor_parallel_size(model_config, tp.size)
     max_model_len = check_max_model_len(config.max_model_len, model_config.context_length)

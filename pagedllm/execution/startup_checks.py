@@ -55,6 +55,36 @@ def check_kv_cache_memory(requested: int, available: int | None) -> None:
         )
 
 
+def process_memory_limit() -> int | None:
+    """What this process may still map under its address-space limit (ulimit -v), or None if unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        status = Path("/proc/self/status").read_text()
+        mapped = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        mapped = 0
+    return max(soft - mapped, 0)
+
+
+def check_load_memory(weights: int, kv_cache: int, available: int | None) -> None:
+    """The weights as loaded (at least `weights` bytes, from the checked shapes) and the KV cache must
+    fit in the memory the machine has available and the process may map: refused before loading,
+    not ended by the OOM killer half way."""
+    limit = process_memory_limit()
+    room = min(x for x in (available, limit) if x is not None) if (available, limit) != (None, None) else None
+    if room is None or weights + kv_cache <= room:
+        return
+    where = "this process may still map (ulimit -v)" if limit is not None and limit == room else "is available"
+    raise ValueError(
+        f"the model needs at least {format_bytes(weights)} to load and the KV cache {format_bytes(kv_cache)}, but "
+        f"{format_bytes(room)} {where}: pass a smaller --kv-cache-memory, or use a smaller or more quantized model"
+    )
+
+
 def check_max_model_len(requested: int | None, model_max_len: int) -> int:
     """The maximum model length to use: the model's own when none was asked for."""
     if requested is None:

@@ -7,20 +7,21 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pagedllm.errors import ModelFileError
 from pagedllm.layers.quantized import QuantizedWeight
+from pagedllm.models.checkpoint_dir import check_hf_dir
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.gguf_config import PERMUTED_QK, ROPE_TENSORS, field, gguf_config, hf_tensor_name
-from pagedllm.models.gguf_file import GGUFFile
+from pagedllm.models.gguf_config import PERMUTED_QK, ROPE_TENSORS, check_gguf, field, hf_tensor_name
+from pagedllm.models.gguf_file import GGUFFile, open_regular_file
 from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
-from pagedllm.models.hf_config import config_from_hf_dict
 
 logger = logging.getLogger("pagedllm")
 
@@ -81,21 +82,28 @@ def resolve_model_path(model: str | None) -> Path:
         if len(ggufs) == 1:
             return ggufs[0]
         raise ValueError(f"{model!r} holds no config.json (and not exactly one .gguf file)")
-    if path.is_file() and path.suffix != ".gguf":
+    if not path.is_dir() and path.suffix != ".gguf":
         raise ValueError(f"{model!r} is a file but not a .gguf; pass a checkpoint directory or a .gguf file")
-    if path.is_file():
+    if not path.is_dir():
         check_gguf_magic(path)
     return path
 
 
 def check_gguf_magic(path: Path) -> None:
-    """A .gguf file starts with the bytes 'GGUF'; say so with the file's name rather than the
-    gguf library's bare 'GGUF magic invalid'."""
-    with open(path, "rb") as f:
-        head = f.read(4)
+    """A .gguf file is a regular, readable file that starts with the bytes 'GGUF'; say so with the
+    file's name rather than the gguf library's bare 'GGUF magic invalid' (or a hang on a pipe)."""
+    fd, _ = open_regular_file(path)
+    try:
+        head = os.read(fd, 4)
+    except OSError as error:
+        raise ModelFileError(path, None, f"cannot be read: {error.strerror or error}") from None
+    finally:
+        os.close(fd)
     if head != b"GGUF":
-        raise ValueError(
-            f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF' (a truncated download, or another format)"
+        raise ModelFileError(
+            path,
+            None,
+            f"is not a GGUF file: it starts with {head!r}, not b'GGUF' (a truncated download, or another format)",
         )
 
 
@@ -115,11 +123,12 @@ def load_weights(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig,
 
 
 @functools.lru_cache(maxsize=2)
-def gguf_reader(path: Path, size: int, mtime: float) -> GGUFFile:
-    """The file's header and tensor views, parsed once; keyed by size and mtime as well, so a
-    replaced file is read again."""
+def gguf_reader(path: Path, size: int, mtime: float) -> tuple[GGUFFile, ModelConfig]:
+    """The file's header and tensor views, parsed and checked once (check_gguf), with the model's
+    config; keyed by size and mtime as well, so a replaced file is read again."""
     del size, mtime
-    return GGUFFile(path)
+    reader = GGUFFile(path)
+    return reader, check_gguf(reader, path)
 
 
 def forget_gguf_readers() -> None:
@@ -127,9 +136,16 @@ def forget_gguf_readers() -> None:
     gguf_reader.cache_clear()
 
 
-def _reader(path: Path):
-    stat = path.stat()
+def _checked(path: Path) -> tuple[GGUFFile, ModelConfig]:
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ModelFileError(path, None, f"cannot be read: {error.strerror or error}") from None
     return gguf_reader(path, stat.st_size, stat.st_mtime)
+
+
+def _reader(path: Path) -> GGUFFile:
+    return _checked(path)[0]
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -138,10 +154,29 @@ def gguf_tensor_bytes(path: Path) -> int:
 
 
 def read_model_config(path: Path) -> ModelConfig:
-    """The model's shape alone, without reading its weights (the GGUF header, or config.json)."""
+    """The model's shape alone, checked with its tensors' shapes, without reading its weights (the
+    GGUF header, or config.json and the safetensors headers)."""
     if path.suffix == ".gguf":
-        return gguf_config(_reader(path), path)
-    return config_from_hf_dict(json.loads((path / "config.json").read_text()))
+        return _checked(path)[1]
+    return check_hf_dir(path).config
+
+
+def weight_memory_needed(path: Path, keep_quantized: bool) -> int:
+    """At least what loading the weights takes, from the checked shapes alone: a quantized tensor
+    kept native its file bytes, any other float32 (as loaded), and the rotary tables the model
+    builds for its whole context (cos and sin, and the angles they come from)."""
+    if path.suffix == ".gguf":
+        reader, config = _checked(path)
+        weights = 0
+        for t in reader.tensors:
+            native = keep_quantized and t.tensor_type.name in NATIVE_TYPES and len(t.shape) == 2
+            weights += int(t.n_bytes) if native else 4 * int(np.prod(t.shape))
+    else:
+        checked = check_hf_dir(path)
+        config, weights = checked.config, 4 * checked.elements
+    pairs = (config.rotary_dim or config.head_dim) // 2
+    tables = 2 if config.rope_local_theta is not None else 1
+    return weights + 3 * 4 * config.context_length * pairs * tables
 
 
 # --- Hugging Face checkpoint directory -------------------------------------------------
@@ -150,15 +185,12 @@ def read_model_config(path: Path) -> ModelConfig:
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    config = config_from_hf_dict(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} has no .safetensors weights")
+    checked = check_hf_dir(path)
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in checked.files:
         for name, tensor in load_file(str(file)).items():
             weights[name.removeprefix("model.")] = tensor.float()
-    return config, weights
+    return checked.config, weights
 
 
 # --- GGUF ------------------------------------------------------------------------------
@@ -173,8 +205,7 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str, Weight]]:
     import gguf
 
-    reader = _reader(path)
-    config = gguf_config(reader, path)
+    reader, config = _checked(path)
     arch = field(reader, "general.architecture")
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:

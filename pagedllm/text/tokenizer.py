@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from pagedllm.cache_dir import cache_dir
+from pagedllm.errors import ModelFileError
 
 logger = logging.getLogger("pagedllm")
 
@@ -28,13 +29,13 @@ class Tokenizer:
                 self.hf = AutoTokenizer.from_pretrained(str(cached))
             else:
                 logger.info("building the tokenizer from %s (once; cached under %s)", path.name, cached.parent)
-                self.hf = _tokenizer_from_gguf(path)
+                self.hf = _build(_tokenizer_from_gguf, path)
                 try:
                     self.hf.save_pretrained(str(cached))
                 except OSError:
                     pass  # a read-only home only costs the conversion next time
         else:
-            self.hf = AutoTokenizer.from_pretrained(str(path))
+            self.hf = _build(lambda p: AutoTokenizer.from_pretrained(str(p)), path)
         # A fast tokenizer without the space clean-up decodes to the same text through its Rust
         # backend directly, ~2-3 us sooner per call; the detokenizer calls it twice per request
         # and step (~0.6 ms a step at 128 requests).
@@ -71,6 +72,16 @@ class Tokenizer:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _build(make, path: Path):
+    """The tokenizer `make` builds from the model's files; whatever the files make it fail with is
+    one line naming the file (they are untrusted input), never a traceback from the library."""
+    try:
+        return make(path)
+    except Exception as error:  # the conversion libraries raise anything on a damaged vocabulary
+        detail = " ".join(str(error).split())[:300]
+        raise ModelFileError(path, "tokenizer", f"cannot be built ({type(error).__name__}: {detail})") from None
 
 
 def _tokenizer_from_gguf(path: Path):
