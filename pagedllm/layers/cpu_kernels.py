@@ -28,6 +28,7 @@ import platform
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -265,6 +266,9 @@ class CpuKernels:
         self.amx_tiles = self.quant_amx
         # Built with AVX512-BF16: quantized weights can be dequantized into oneDNN's blocked layout.
         self.dequantize_blocked_bf16 = bool(library.dequantize_blocked_available())
+        global _first_out_of_range
+        _first_out_of_range = library.first_out_of_range
+        _first_out_of_range.argtypes, _first_out_of_range.restype = [_P, _I, _I, _I], ctypes.c_int64
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
@@ -284,6 +288,12 @@ class CpuKernels:
         in ATTENTION_HEAD_DIMS; per request its query row, context length and block table (int64);
         `window` > 0: a sliding window."""
         _check(q, k_cache, v_cache, out, rows, seq_lens, tables)
+        name = "paged_decode_attention"
+        _check_attention(name, q, k_cache, v_cache, out, tables)
+        _index(name, "rows", rows, tables.shape[0])
+        _index(name, "seq_lens", seq_lens, tables.shape[0])
+        check_index_range(name, "rows", rows, 0, q.shape[0])
+        check_index_range(name, "seq_lens", seq_lens, 0, tables.shape[1] * k_cache.shape[1] + 1)
         kv_heads = k_cache.shape[2]
         self._fn("paged_decode_attention", kernel_key(q.dtype, k_cache.dtype))(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(rows), _ptr(seq_lens), _ptr(tables),
@@ -296,6 +306,20 @@ class CpuKernels:
     ) -> None:
         """As decode, with per prefilling request its first query row and number of new tokens."""
         _check(q, k_cache, v_cache, out, starts, lens, seq_lens, tables)
+        name = "paged_prefill_attention"
+        _check_attention(name, q, k_cache, v_cache, out, tables)
+        for label, t in (("starts", starts), ("lens", lens), ("seq_lens", seq_lens)):
+            _index(name, label, t, tables.shape[0])
+        check_index_range(name, "seq_lens", seq_lens, 0, tables.shape[1] * k_cache.shape[1] + 1)
+        if starts.numel():  # each request's query rows inside q, and no more new tokens than its context
+            check_index_range(name, "starts", starts, 0, q.shape[0])
+            check_index_range(name, "lens", lens, 0, q.shape[0] + 1)
+            _require(
+                name,
+                bool(((starts + lens) <= q.shape[0]).all()) and bool((lens <= seq_lens).all()),
+                "each request's rows starts + lens within q's tokens, and lens <= seq_lens",
+                q=q, starts=starts, lens=lens, seq_lens=seq_lens,
+            )  # fmt: skip
         kv_heads = k_cache.shape[2]
         self._fn("paged_prefill_attention", kernel_key(q.dtype, k_cache.dtype))(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(starts), _ptr(lens), _ptr(seq_lens),
@@ -308,6 +332,15 @@ class CpuKernels:
     ) -> torch.Tensor:
         """residual += delta (in place, when delta is given); returns weight * rms_norm(residual)."""
         _check(residual, weight, *(() if delta is None else (delta,)))
+        _require(
+            "add_rms_norm",
+            residual.dim() == 2
+            and weight.shape == residual.shape[1:]
+            and weight.dtype == residual.dtype
+            and (delta is None or (delta.shape == residual.shape and delta.dtype == residual.dtype)),
+            "residual [rows, hidden], weight [hidden] and delta like residual, of one dtype",
+            residual=residual, weight=weight, delta=delta,
+        )  # fmt: skip
         out = torch.empty_like(residual)
         rows, hidden = residual.shape
         self._fn("add_rms_norm", residual.dtype)(
@@ -329,11 +362,33 @@ class CpuKernels:
         """Rotary on q and k of the fused QKV rows; k and v written at their cache slots; returns q
         [tokens, num_heads, head_dim].  cos/sin: float32 [rows, rotary_dim / 2], token t reading row
         positions[t]; the first rotary_dim dims of each head rotate (default: all), the rest pass."""
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise KernelArgumentError(
+                f"rope_write_kv: kv_cache must be [2, blocks, block_size, kv_heads, head_dim] "
+                f"({_describe({'kv_cache': kv_cache})})"
+            )
         _, _, _, kv_heads, head_dim = kv_cache.shape
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim or cos.shape[-1] != rotary_dim // 2:
             raise ValueError(f"rotary_dim {rotary_dim} does not fit head_dim {head_dim} and tables {tuple(cos.shape)}")
         _check(qkv, positions, cos, sin, kv_cache, slot_mapping)
+        name = "rope_write_kv"
+        _require(
+            name,
+            qkv.dim() == 2
+            and qkv.shape[1] == (num_heads + 2 * kv_heads) * head_dim
+            and cos.dim() == 2
+            and sin.shape == cos.shape
+            and cos.dtype == sin.dtype == torch.float32,
+            f"qkv rows of (heads {num_heads} + 2 x kv_heads {kv_heads}) x head_dim {head_dim} values, "
+            "cos and sin float32 [positions, rotary_dim / 2]",
+            qkv=qkv, cos=cos, sin=sin, kv_cache=kv_cache,
+        )  # fmt: skip
+        _index(name, "positions", positions, qkv.shape[0])
+        _index(name, "slot_mapping", slot_mapping, qkv.shape[0])
+        if rotary_dim:  # (no rotary: the tables are never read)
+            check_index_range(name, "positions", positions, 0, cos.shape[0])
+        check_index_range(name, "slot_mapping", slot_mapping, 0, kv_cache.shape[1] * kv_cache.shape[2])
         q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
         self._fn("rope_write_kv", kernel_key(qkv.dtype, kv_cache.dtype))(
             _ptr(qkv), _ptr(q), _ptr(kv_cache[0]), _ptr(kv_cache[1]), _ptr(positions), _ptr(slot_mapping),
@@ -357,10 +412,17 @@ class CpuKernels:
         (default: all), per group of weight.numel() values, weight float32 (1 + w); into `out`
         (x itself for in place; default: a new [rows, width] tensor), which is returned."""
         _check(x, weight)
+        _require(
+            "gemma_norm",
+            x.dim() == 2 and weight.dim() == 1 and start >= 0,
+            "x [rows, cols], weight 1-D",
+            x=x,
+            weight=weight,
+        )
         rows, cols = x.shape
         width = cols - start if width is None else width
         dim = weight.numel()
-        if weight.dtype != torch.float32 or width % dim or start + width > cols:
+        if weight.dtype != torch.float32 or not dim or width < 0 or width % dim or start + width > cols:
             raise ValueError(f"gemma_norm: columns {start}+{width} of {cols} in groups of {dim} ({weight.dtype})")
         if out is None:
             out = torch.empty(rows, width, dtype=x.dtype)
@@ -368,7 +430,7 @@ class CpuKernels:
             if not stride_ok:
                 raise ValueError("gemma_norm into a new tensor takes whole rows")
         else:
-            if out.data_ptr() != x.data_ptr():
+            if out.data_ptr() != x.data_ptr() or out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError("gemma_norm with `out` runs in place (out must be x)")
             target = _ptr(out) + start * x.element_size()
         source = _ptr(x) + start * x.element_size()
@@ -377,6 +439,9 @@ class CpuKernels:
 
     def _gated(self, name: str, gate_up: torch.Tensor) -> torch.Tensor:
         _check(gate_up)
+        _require(
+            name, gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "rows [gate | up] of even width", gate_up=gate_up
+        )
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
         self._fn(name, gate_up.dtype)(_ptr(gate_up), _ptr(out), rows, width)
@@ -401,6 +466,9 @@ class CpuKernels:
         build has AVX512-BF16); any m, but faster than oneDNN only up to `packed_gemm_max_rows`
         (see csrc/small_gemm.cpp)."""
         _check(x, packed)
+        _require(
+            "packed_gemm", x.dim() == 2 and packed.dim() == 3 and n > 0, "x [m, k], a packed weight", x=x, packed=packed
+        )
         m, k = x.shape
         step = 2 if x.dtype == torch.bfloat16 else 1
         if not self.packed_gemm_max_rows.get(x.dtype):
@@ -426,6 +494,23 @@ class CpuKernels:
         and `shape` are its structs (each layer's rotary, cache slots and block tables among them), built by
         pagedllm/layers/fused_decode.py, which checks what the kernels cannot."""
         _check(residual, out, workspace, final_norm, positions, rows, seq_lens)
+        name = "decode_layers"
+        m = residual.shape[0] if residual.dim() == 2 else -1
+        _require(
+            name,
+            m >= 0
+            and out.shape == residual.shape
+            and out.dtype == residual.dtype
+            and final_norm.shape == residual.shape[1:]
+            and shape.hidden == residual.shape[1]
+            and workspace.dtype == residual.dtype
+            and workspace.numel() >= m * self.decode_layers_workspace(shape),
+            "residual and out [rows, hidden], final_norm [hidden], workspace of the rows' size",
+            residual=residual, out=out, final_norm=final_norm, workspace=workspace,
+        )  # fmt: skip
+        for label, t in (("positions", positions), ("rows", rows), ("seq_lens", seq_lens)):
+            _index(name, label, t, m)
+        check_index_range(name, "rows", rows, 0, max(m, 1))
         self._fn("decode_layers", kernel_key(residual.dtype, kv_dtype or residual.dtype))(
             ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
             _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(rows), _ptr(seq_lens), rows.shape[0],
@@ -439,6 +524,8 @@ class CpuKernels:
 
     def _quant_gemm(self, name: str, x: torch.Tensor, w, out: torch.Tensor, col: int) -> None:
         _check(x, out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        _check_packed(name, w, self.quant_panel_width)
+        _require(name, x.dim() == 2 and out.dim() == 2 and col >= 0, "x [m, k] and out [m, n]", x=x, out=out)
         m, k = x.shape
         if k != w.cols or out.dtype != x.dtype or out.shape[0] != m or out.shape[1] < col + w.rows:
             raise ValueError(f"quant_gemm: x {tuple(x.shape)}, weight [{w.rows}, {w.cols}], out {tuple(out.shape)}")
@@ -458,6 +545,7 @@ class CpuKernels:
         layout at address `out` (csrc/quant_amx.cpp; where `dequantize_blocked_bf16`)."""
         if not self.dequantize_blocked_bf16 or w.rows % 32:
             raise ValueError(f"dequantize_blocked: [{w.rows}, {w.cols}] on a build without it or rows not of 32")
+        _check_packed("dequantize_blocked", w, self.quant_panel_width)
         self._fn("dequantize_blocked", torch.bfloat16)(
             _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.zero, w.rows,
             w.cols, out,
@@ -467,15 +555,19 @@ class CpuKernels:
         """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32
         or bfloat16); returns out."""
         _check(out, ids, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
-        if tuple(out.shape) != (ids.shape[0], w.cols):
+        _check_packed("dequantize_rows", w, self.quant_panel_width)
+        _index("dequantize_rows", "ids", ids, None)
+        if tuple(out.shape) != (ids.shape[0], w.cols) or out.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dequantize_rows: out {tuple(out.shape)} for {ids.shape[0]} rows of {w.cols}")
+        check_index_range("dequantize_rows", "ids", ids, 0, w.rows)
         self._dequantize(w, _ptr(ids), ids.shape[0], _ptr(out), out.dtype)
         return out
 
     def dequantize_transposed(self, w, out: torch.Tensor, col: int = 0) -> None:
         """out[:, col : col + w.rows] = W^T for a PackedWeight W [rows, cols]; out [cols, >= col + rows]."""
         _check(out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
-        if out.shape[0] != w.cols or out.shape[1] < col + w.rows:
+        _check_packed("dequantize_transposed", w, self.quant_panel_width)
+        if out.dim() != 2 or col < 0 or out.shape[0] != w.cols or out.shape[1] < col + w.rows:
             raise ValueError(f"dequantize_transposed: out {tuple(out.shape)} for [{w.rows}, {w.cols}] at {col}")
         self._dequantize(w, None, out.shape[1], _ptr(out) + col * out.element_size(), out.dtype)
 
@@ -513,6 +605,112 @@ def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not t.is_cpu or not t.is_contiguous():  # is_cpu: 4x cheaper than comparing t.device
             raise ValueError("the CPU kernels need contiguous CPU tensors")
+
+
+# --- the C++ boundary ---------------------------------------------------------------------
+#
+# Every kernel entry checks what it is given against each other (shapes, dtypes, lengths) and
+# the index tensors' values against what they index, so that no caller, however wrong, makes a
+# kernel read or write outside its tensors: a wrong call is a KernelArgumentError naming the
+# kernel and the shapes.  Shape checks are a few comparisons a call; an index tensor's range is
+# checked once while it lives unchanged (every layer of a step shares the step's tables).
+
+
+class KernelArgumentError(ValueError):
+    """A C++ kernel called with tensors that disagree: the call is refused before the kernel runs."""
+
+
+def _describe(tensors: dict[str, torch.Tensor | None]) -> str:
+    def one(t: torch.Tensor | None) -> str:
+        return "None" if t is None else f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    return ", ".join(f"{name} {one(t)}" for name, t in tensors.items())
+
+
+def _require(kernel: str, ok: bool, what: str, **tensors: torch.Tensor | None) -> None:
+    if not ok:
+        raise KernelArgumentError(f"{kernel}: {what} ({_describe(tensors)})")
+
+
+def _index(kernel: str, name: str, t: torch.Tensor, length: int | None, dims: int = 1) -> None:
+    """An int64 index tensor of `dims` dimensions (and `length` rows where given)."""
+    if t.dtype != torch.int64 or t.dim() != dims or (length is not None and t.shape[0] != length):
+        rows = "" if length is None else f" of {length} rows"
+        raise KernelArgumentError(
+            f"{kernel}: {name} must be int64 with {dims} dimension(s){rows} ({_describe({name: t})})"
+        )
+
+
+_RANGE_CHECKED: dict[tuple, tuple] = {}  # (id, bounds) -> (weak reference, version) of a tensor in range
+_first_out_of_range = None  # csrc/elementwise.cpp's, once the library is loaded
+
+
+def check_index_range(kernel: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Every value of the int64 tensor `t` in [low, high).  A tensor with a version counter is checked
+    once while it lives unchanged; an inference tensor (no counter) at every call, in C++ (~1 us)."""
+    versioned = not t.is_inference()
+    key = (id(t), low, high)
+    if versioned:
+        seen = _RANGE_CHECKED.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return
+    if t.numel():
+        if _first_out_of_range is not None and t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu:
+            bad = _first_out_of_range(t.data_ptr(), t.numel(), low, high)
+        else:
+            bad = -1 if bool(((t >= low) & (t < high)).all()) else 0
+        if bad >= 0:
+            least, most = torch.aminmax(t)
+            raise KernelArgumentError(
+                f"{kernel}: {name} holds values in [{int(least)}, {int(most)}], outside [{low}, {high})"
+            )
+    if versioned:
+        if len(_RANGE_CHECKED) > 512:
+            _RANGE_CHECKED.clear()
+        _RANGE_CHECKED[key] = (weakref.ref(t), t._version)
+
+
+def _check_packed(kernel: str, w, panel: int) -> None:
+    """A PackedWeight's tensors hold exactly what its rows, cols, bits and group say."""
+    panels = -(-w.rows // panel) if panel else 0
+    expected_qs = (panels, w.cols * panel * w.bits // 8)
+    groups = w.cols // w.group if w.group in (16, 32) else -1
+    ok = (
+        w.bits in (4, 5, 8)
+        and w.rows > 0
+        and w.cols > 0
+        and w.cols % 32 == 0
+        and groups > 0
+        and w.qs.dtype == torch.uint8
+        and tuple(w.qs.shape) == expected_qs
+        and w.scales.dtype == torch.float32
+        and tuple(w.scales.shape) == (panels, groups, panel)
+        and (w.mins is None or (w.mins.dtype == torch.float32 and w.mins.shape == w.scales.shape))
+    )
+    _require(
+        kernel, ok, f"a packed weight [{w.rows}, {w.cols}] of {w.bits} bits in groups of {w.group}, panels of {panel}",
+        qs=w.qs, scales=w.scales, mins=w.mins,
+    )  # fmt: skip
+
+
+def _check_attention(kernel: str, q, k_cache, v_cache, out, tables) -> None:
+    _require(
+        kernel,
+        q.dim() == 3
+        and out.shape == q.shape
+        and out.dtype == q.dtype
+        and k_cache.dim() == 4
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.shape[3] == q.shape[2]
+        and k_cache.shape[2] > 0
+        and q.shape[1] % k_cache.shape[2] == 0,
+        "q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim] of one head_dim, "
+        "heads a multiple of kv_heads",
+        q=q, k_cache=k_cache, v_cache=v_cache, out=out,
+    )  # fmt: skip
+    _index(kernel, "block tables", tables, None, dims=2)
+    check_index_range(kernel, "block tables", tables, 0, k_cache.shape[0])
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels
+from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels, check_index_range
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized import QuantizedLinear
 
@@ -175,6 +175,8 @@ class FusedDecode:
         self._bound: tuple[int, ...] = ()  # the data pointers of the KV caches `_table` names
         self.kv_dtype = self.dtype  # the bound caches' dtype
         self._table = (_Layer * len(layers))()
+        # Rows of the rotary tables a position may index (a layer without rotary reads none).
+        self._positions = min((layer.cos.shape[0] for layer in layers if layer.rotary_dim), default=2**62)
 
     def applies(self, meta: AttentionMetadata | list[AttentionMetadata], num_tokens: int) -> bool:
         """True for a step this path runs exactly as the layer loop would (`meta`: one for every
@@ -239,9 +241,15 @@ class FusedDecode:
                     raise ValueError(f"block tables {tuple(table.shape)} {table.dtype} for {rows.shape[0]} requests")
                 if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != m:
                     raise ValueError(f"slot mapping {tuple(slots.shape)} {slots.dtype} for {m} rows")
+                # The kernel reads and writes the caches where these point: every entry inside them.
+                blocks, block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+                check_index_range("decode_layers", "block tables", table, 0, blocks)
+                check_index_range("decode_layers", "slot mapping", slots, 0, blocks * block_size)
+                check_index_range("decode_layers", "seq_lens", seq_lens, 0, table.shape[1] * block_size + 1)
                 held.append((table, slots))
                 found = pointers[id(layer_meta)] = (slots.data_ptr(), table.data_ptr(), table.shape[1])
             entry.slots, entry.tables, entry.max_blocks = found
+        check_index_range("decode_layers", "positions", positions, 0, self._positions)
         out = torch.empty_like(residual)
         workspace = torch.empty(m * self._row, dtype=self.dtype)
         self.kernels.decode_layers(

@@ -151,7 +151,8 @@ class GGUFFile:
         """A count of things of at least `min_bytes` each must fit in what is left of the file."""
         if count * min_bytes > self.size - self._pos:
             left = self.size - self._pos
-            raise ModelFileError(self.path, None, f"{item} {count} cannot fit in the {left} bytes left: truncated or damaged")
+            problem = f"{item} {count} cannot fit in the {left} bytes left: truncated or damaged"
+            raise ModelFileError(self.path, None, problem)
 
     def _unpack(self, fmt: str, item: str):
         size = struct.calcsize(fmt)

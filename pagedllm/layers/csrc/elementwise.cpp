@@ -213,3 +213,12 @@ PAGEDLLM_API void rope_write_kv_f32_f16kv(const float* qkv, float* q_out, pagedl
   }
 PAGEDLLM_ROPE_WRITE_F8KV(f32_f8kv, float)
 PAGEDLLM_ROPE_WRITE_F8KV(bf16_f8kv, bf16)
+
+// The first i with values[i] outside [low, high), or -1: the Python boundary checks every index
+// tensor a kernel is handed (block tables, slots, rows, positions) with this before the call.
+PAGEDLLM_API int64_t first_out_of_range(const int64_t* values, int64_t n, int64_t low, int64_t high) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (values[i] < low || values[i] >= high) return i;
+  }
+  return -1;
+}
