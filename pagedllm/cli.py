@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.config import parse_bytes
     from pagedllm.engine import LLMEngine
-    from pagedllm.models.loader import resolve_model_path
+    from pagedllm.models.loader import read_model_config, resolve_model_path
     from pagedllm.serving.api_server import ServerSettings, build_app
     from pagedllm.serving.async_engine import AsyncLLMEngine
     from pagedllm.serving.service import ServingServer, bind_socket, exit_now
@@ -113,7 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
         argv = args.argv[args.argv.index("serve") + 1 :]
-        return serve_data_parallel(args, argv, config.block_size, resolve_model_path(config.model))
+        path = resolve_model_path(config.model)
+        read_model_config(path)  # a bad file is refused here in one line, not inside every replica
+        return serve_data_parallel(args, argv, config.block_size, path)
     settings = ServerSettings(
         served_model_name=args.served_model_name or served_model_name(config.model),
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,

@@ -268,6 +268,7 @@ def test_truncated_and_foreign_files_are_refused(good, header, tmp_path):
         "cut by one byte": (_cut(good, size - 1, tmp_path / "byte.gguf"), "past the end of the file"),
         "not a gguf": (tmp_path / "text.gguf", "not a GGUF file"),
         "named pipe": (fifo, "named pipe"),
+        "directory": (folder, "no config.json"),
         "character device": (device, "character device"),
         "missing": (tmp_path / "nothing.gguf", "no such file"),
     }
