@@ -3,8 +3,8 @@ weights, tokenizer, KV cache), timed in a fresh process after the imports, for o
 checkouts of pagedllm alternated run by run (e.g. this one and an older one, to see what the
 model-file checks cost).
 
-    git worktree add /tmp/before <commit>
-    python benchmarks/load_time.py --checkout . --checkout /tmp/before --model smollm2 gemma3-270m --repeats 5
+    git worktree add bench-results/before <commit>
+    python benchmarks/load_time.py --checkout . --checkout bench-results/before --model smollm2 gemma3-270m --repeats 5
 
 Prints per checkout and model the median load time with its min and max, and the ratio of each
 checkout's median to the first's.
