@@ -73,6 +73,15 @@ def _with_item(header: Header, key: str, kind: int, payload: bytes) -> Header:
     return dataclasses.replace(header, items=items)
 
 
+def _renamed_architecture(header: Header, arch: str) -> Header:
+    """Every llama.* key renamed for another architecture, as a file converted for it would have."""
+    items = [
+        dataclasses.replace(i, key=arch + i.key[len("llama") :]) if i.key.startswith("llama.") else i
+        for i in header.items
+    ]
+    return set_item(dataclasses.replace(header, items=items), "general.architecture", STRING, arch)
+
+
 def _tensor_dims(name: str, dims: list[int]):
     return lambda h: map_tensor(h, name, lambda t: dataclasses.replace(t, dims=dims))
 
@@ -137,10 +146,15 @@ HEADER_FAULTS = {
     ),
     "unknown tensor type": (_tensor_field("blk.3.ffn_up.weight", kind=99), "type 99"),
     "integer tensor type": (_tensor_field("blk.3.ffn_up.weight", kind=26), "I32"),
+    "tensor type of a smaller block": (_tensor_field("blk.3.ffn_up.weight", kind=2), "expected"),
+    "tensor type of a larger block": (_tensor_field("blk.3.ffn_up.weight", kind=8), "expected"),
+    "architecture qwen2 throughout": (lambda h: _renamed_architecture(h, "qwen2"), "attn_q.bias"),
+    "architecture qwen3 throughout": (lambda h: _renamed_architecture(h, "qwen3"), "attn_q_norm"),
+    "architecture phi3 throughout": (lambda h: _renamed_architecture(h, "phi3"), "ffn"),
     "tensor offset past the end": (_tensor_field("blk.29.ffn_down.weight", offset=2**40), "past the end"),
     "tensor offset huge": (_tensor_field("blk.29.ffn_down.weight", offset=2**64 - 32), "past the end"),
     "tensor offset misaligned": (_tensor_field("blk.2.ffn_down.weight", offset=8), "multiple of 32"),
-    "tensors overlapping": (_tensor_field("blk.2.ffn_down.weight", offset=0), "overlaps"),
+    "tensors overlapping": (_tensor_field("blk.2.ffn_down.weight", offset=0), "expected"),
     "duplicate tensor": (lambda h: dataclasses.replace(h, tensors=h.tensors + [h.tensors[-1]]), "twice"),
     "attn_v rows short": (_tensor_dims("blk.0.attn_v.weight", [576, 64]), "attn_v"),
     "attn_q shape wrong": (_tensor_dims("blk.7.attn_q.weight", [576, 64]), "attn_q"),

@@ -241,15 +241,16 @@ def gguf_config(reader, path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=meta_float(reader, path, f"{arch}.rope.freq_base", default_theta, 0.0, 1e12),
+        rope_theta=meta_float(reader, path, f"{arch}.rope.freq_base", default_theta, 1.0, 1e12),
         rms_norm_eps=meta_float(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, 0.0, 0.5),
         max_position_embeddings=meta_int(reader, path, f"{arch}.context_length", 2048, 1, MAX_CONTEXT),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta_token_id(reader, path, "tokenizer.ggml.bos_token_id", vocab_size),
         eos_token_id=meta_token_id(reader, path, "tokenizer.ggml.eos_token_id", vocab_size),
         architecture=ours,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        # Qwen2 always has q/k/v biases and Qwen3 (and its MoE) q/k norms, as llama.cpp requires them.
+        attention_bias="blk.0.attn_q.bias" in names or ours == "qwen2",
+        qk_norm="blk.0.attn_q_norm.weight" in names or ours in ("qwen3", "qwen3_moe"),
         layer_windows=windows,
         rope_scaling=rope_scaling_of(reader, arch, path),
         rotary_dim=rotary_dim,
@@ -286,5 +287,7 @@ def check_gguf(reader, path: Path) -> ModelConfig:
     for name in list(present) + [n for n in expected_tensors(config, present) if n not in present]:
         file_names.setdefault(name, gguf_name_of(name, arch))
     check_tensors(path, config, present, file_names, refuse_extra=True)
+    if reader.layout_error is not None:
+        raise reader.layout_error
     check_tokenizer_metadata(reader, path, config.vocab_size)
     return config

@@ -12,7 +12,8 @@ metadata item as key, type, value; each tensor as name, dims (innermost first), 
 then the tensors' data from the next multiple of `general.alignment` (32 by default).
 
 Every count, length and offset the file states is checked against the file's size before it
-is used: nothing is allocated or read past the end on the file's word.  A file that breaks a
+is used: nothing is allocated or read past the end on the file's word; the tensors' data follow
+one another in the order listed, as llama.cpp requires.  A file that breaks a
 rule gets a ModelFileError naming the item (docs/model-files.md lists the rules); the checks
 are a walk over the header, never over the tensors' data.
 """
@@ -223,12 +224,18 @@ class GGUFFile:
             raise ModelFileError(self.path, "general.alignment", f"{alignment} is not a power of two up to 2^20")
         return int(alignment)
 
-    # --- tensors: types, shapes and bytes inside the file, no two overlapping ---------
+    # --- tensors: types, shapes and bytes inside the file, laid out one after another ---
 
     def _tensors(self, gguf, infos: list[_TensorInfo]) -> list[GGUFTensor]:
+        """Each tensor checked, and their data laid out as llama.cpp requires: one after another in
+        the order listed, each at the previous one's end rounded up to the alignment (so no two
+        overlap, and no type or shape can change without moving every offset after it)."""
         seen: set[str] = set()
-        spans: list[tuple[int, int, str]] = []
         checked = []
+        expected = 0
+        # A layout out of order is raised by check_gguf after the tensors' names and shapes are
+        # checked, which name the fault itself (a missing tensor, a wrong shape) where there is one.
+        self.layout_error: ModelFileError | None = None
         for info in infos:
             item = f"tensor {info.name!r}"
             if info.name in seen:
@@ -251,10 +258,9 @@ class GGUFFile:
                     raise ModelFileError(self.path, item, f"dimensions {list(info.dims)} are too large")
             block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
             if (info.dims[0] if info.dims else 1) % block:
+                rows = info.dims[0] if info.dims else 1
                 raise ModelFileError(
-                    self.path,
-                    item,
-                    f"rows of {info.dims[:1] or 1} values do not fill whole {tensor_type.name} blocks of {block}",
+                    self.path, item, f"rows of {rows} values do not fill whole {tensor_type.name} blocks of {block}"
                 )
             n_bytes = elements * type_size // block
             if info.offset % self.alignment:
@@ -269,12 +275,15 @@ class GGUFFile:
                     f"its {n_bytes} bytes at offset {info.offset} run past the end of the file "
                     f"({self.size} bytes): truncated or damaged",
                 )
-            spans.append((first, first + n_bytes, info.name))
+            if info.offset != expected and self.layout_error is None:
+                self.layout_error = ModelFileError(
+                    self.path,
+                    item,
+                    f"data offset {info.offset}, expected {expected}: the tensors' data must follow one another in "
+                    "the order listed (another tensor's type or shape does not match its bytes, or the data overlap)",
+                )
+            expected = -(-(info.offset + n_bytes) // self.alignment) * self.alignment
             checked.append((info, tensor_type, elements, n_bytes, first))
-        spans.sort()
-        for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
-            if start < end:
-                raise ModelFileError(self.path, f"tensor {other!r}", f"its data overlaps tensor {name!r}'s")
         return [self._view(gguf, *entry) for entry in checked]
 
     def _view(self, gguf, info: _TensorInfo, tensor_type, elements: int, n_bytes: int, first: int) -> GGUFTensor:

@@ -51,7 +51,7 @@ def expected_tensors(config: ModelConfig, present: Mapping[str, Shape], fused_qk
             )
         if c.layer_moe[i]:
             out.update(_moe_tensors(c, p, present))
-        elif c.architecture == "phi3" and p + "mlp.gate_proj.weight" not in present:
+        elif c.architecture == "phi3":  # gate and up fused, as Phi-3 checkpoints and llama.cpp store them
             out[p + "mlp.gate_up_proj.weight"] = (2 * c.intermediate_size, hidden)
             out[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
         else:
