@@ -190,6 +190,33 @@ HEADER_FAULTS = {
         lambda h: set_item(h, "tokenizer.chat_template", STRING, "{% if %}{{"),
         "chat_template",
     ),
+    "chat template raises": (
+        lambda h: set_item(h, "tokenizer.chat_template", STRING, "{{ raise_exception('no chats') }}"),
+        "chat template failed",
+    ),
+    "token types out of range": (
+        lambda h: _with_item(
+            h, "tokenizer.ggml.token_type", ARRAY, struct.pack("<IQ", I32, 49152) + struct.pack("<i", 99) * 49152
+        ),
+        "token_type",
+    ),
+    "pre-tokenizer not a name": (
+        lambda h: set_item(h, "tokenizer.ggml.pre", STRING, "../../x y"),
+        "tokenizer.ggml.pre",
+    ),
+    "tokenizer model unknown": (lambda h: set_item(h, "tokenizer.ggml.model", STRING, "foo"), "tokenizer"),
+    "token not utf-8": (
+        lambda h: _with_item(
+            h, "tokenizer.ggml.tokens", ARRAY, _string_array([b"\xff\xfe", *_strings(h, "tokenizer.ggml.tokens")[1:]])
+        ),
+        "tokenizer",
+    ),
+    "eos id an array": (
+        lambda h: _with_item(
+            h, "tokenizer.ggml.eos_token_id", ARRAY, struct.pack("<IQ", U32, 1) + struct.pack("<I", 2)
+        ),
+        "eos_token_id",
+    ),
     "merges not strings": (
         lambda h: _with_item(h, "tokenizer.ggml.merges", ARRAY, struct.pack("<IQ", U32, 2) + b"\0" * 8),
         "tokenizer",

@@ -6,6 +6,7 @@ passes here."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from pagedllm.errors import ModelFileError
@@ -26,7 +27,9 @@ def meta_int(reader, path: Path, key: str, default, low: int, high: int) -> int:
         raise ModelFileError(path, key, "is missing (the model's shape needs it)")
     if isinstance(value, list):
         raise ModelFileError(
-            path, key, f"holds {len(value)} per-layer values; the engine runs one value for all layers"
+            path,
+            key,
+            f"holds an array of {len(value)} values where one integer is expected (per-layer values are not supported)",
         )
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelFileError(path, key, f"is not an integer: {_show(value)}")
@@ -75,6 +78,12 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# llama.cpp's token types: undefined, normal, unknown, control, user-defined, unused, byte.
+MAX_TOKEN_TYPE = 6
+# A pre-tokenizer name as llama.cpp's converter writes them (llama-bpe, qwen2, deepseek-r1-qwen, ...):
+# one the tokenizer conversion does not know splits text as GPT-2 does (transformers' rule).
+_PRE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
 # Token ids the tokenizer is built with: each must lie in the vocabulary.
 SPECIAL_TOKEN_KEYS = tuple(
     f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding", "seperator", "eot", "eom")
@@ -98,6 +107,18 @@ def check_tokenizer_metadata(reader, path: Path, vocab_size: int) -> None:
             values = _raw(reader, key, None)
             if values is not None and (not isinstance(values, list) or len(values) != tokens.length):
                 raise ModelFileError(path, key, f"{_show(values)}, not one per token ({tokens.length})")
+        types = _raw(reader, "tokenizer.ggml.token_type", None)
+        if types:
+            low, high = min(types), max(types)
+            if not (isinstance(low, int) and isinstance(high, int)) or low < 0 or high > MAX_TOKEN_TYPE:
+                raise ModelFileError(
+                    path,
+                    "tokenizer.ggml.token_type",
+                    f"values [{low}, {high}] outside llama.cpp's types 0-{MAX_TOKEN_TYPE}",
+                )
+    pre = _raw(reader, "tokenizer.ggml.pre", None)
+    if pre is not None and (not isinstance(pre, str) or not _PRE_NAME.fullmatch(pre)):
+        raise ModelFileError(path, "tokenizer.ggml.pre", f"{_show(pre)} is not a pre-tokenizer name")
     for key in SPECIAL_TOKEN_KEYS:
         meta_token_id(reader, path, key, vocab_size)
     template = _raw(reader, "tokenizer.chat_template", None)

@@ -68,7 +68,11 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
         extra = {"tools": tools} if tools else {}
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **extra)
+        try:
+            ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **extra)
+        except Exception as error:  # the template is the model file's: its raise_exception(), undefined names
+            detail = getattr(error, "message", None) or str(error) or type(error).__name__
+            raise ValueError(f"{self.path.name}: the chat template failed on these messages: {detail}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
