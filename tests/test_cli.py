@@ -276,3 +276,25 @@ def test_engine_flags_give_another_process_the_same_config(changes, command):
     assert parsed == config
     offered = {f.name for f in engine_fields()}
     assert offered == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
+
+
+def test_generate_exits_nonzero_when_its_request_fails(monkeypatch, capsys):
+    """A forward pass that fails ends the request with an error: generate says so and exits 1."""
+    from pagedllm.execution.model_runner import ModelRunner
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("injected forward-pass fault")
+
+    monkeypatch.setattr(ModelRunner, "run", fail)
+    argv = ["generate", "hi", "--max-tokens", "2", "--kv-cache-memory", "64MiB", "--log-level", "CRITICAL"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "finish reason: error" in err and "pagedllm: error: the request failed" in err
+
+
+def test_bench_exit_status_counts_failed_requests_of_every_setting():
+    from pagedllm.benchmarking.commands import exit_status
+
+    assert exit_status({"failed_requests": 0, "runs": [{"failed_requests": 0}]}) == 0
+    assert exit_status({"failed_requests": 0, "runs": [{"failed_requests": 0}, {"failed_requests": 2}]}) == 1
+    assert exit_status({"failed": 1}) == 1
