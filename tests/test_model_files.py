@@ -273,17 +273,26 @@ def _assert_refused(result: subprocess.CompletedProcess, expected: str) -> None:
     assert not result.stdout.strip(), result.stdout  # nothing generated
 
 
-def test_damaged_gguf_headers_are_refused_in_one_line(good, header, tmp_path):
-    paths = {name: _damaged(good, header, name, change, tmp_path) for name, (change, _) in HEADER_FAULTS.items()}
+def _assert_all_refused(cases: dict[str, tuple[Path, str]], *extra: str) -> None:
+    """Each case (path, words its error must hold) run two at a time; every failure listed at once."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(paths, pool.map(_run, paths.values())))
+        results = dict(zip(cases, pool.map(lambda path: _run(path, *extra), [p for p, _ in cases.values()])))
     failures = []
     for name, result in results.items():
         try:
-            _assert_refused(result, HEADER_FAULTS[name][1])
+            _assert_refused(result, cases[name][1])
         except AssertionError as error:
             failures.append(f"{name}: {error}")
     assert not failures, "\n".join(failures)
+
+
+def test_damaged_gguf_headers_are_refused_in_one_line(good, header, tmp_path):
+    _assert_all_refused(
+        {
+            name: (_damaged(good, header, name, change, tmp_path), words)
+            for name, (change, words) in HEADER_FAULTS.items()
+        }
+    )
 
 
 def _cut(good: Path, size: int, out: Path) -> Path:
@@ -314,15 +323,7 @@ def test_truncated_and_foreign_files_are_refused(good, header, tmp_path):
         "missing": (tmp_path / "nothing.gguf", "no such file"),
     }
     (tmp_path / "text.gguf").write_text("<html>not found</html>" * 10)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(cases, pool.map(_run, [path for path, _ in cases.values()])))
-    failures = []
-    for name, result in results.items():
-        try:
-            _assert_refused(result, cases[name][1])
-        except AssertionError as error:
-            failures.append(f"{name}: {error}")
-    assert not failures, "\n".join(failures)
+    _assert_all_refused(cases)
 
 
 def test_the_untouched_file_still_generates(good, header, tmp_path):
@@ -443,18 +444,10 @@ DIR_FAULTS = {
 
 
 def test_damaged_checkpoint_directories_are_refused_in_one_line(tiny_dir, tmp_path):
-    paths = {}
-    for name, (change, _) in DIR_FAULTS.items():
-        paths[name] = change(_copy_dir(tiny_dir, tmp_path / name.replace(" ", "_")))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(paths, pool.map(lambda p: _run(p, "--raw"), paths.values())))
-    failures = []
-    for name, result in results.items():
-        try:
-            _assert_refused(result, DIR_FAULTS[name][1])
-        except AssertionError as error:
-            failures.append(f"{name}: {error}")
-    assert not failures, "\n".join(failures)
+    cases = {}
+    for name, (change, words) in DIR_FAULTS.items():
+        cases[name] = (change(_copy_dir(tiny_dir, tmp_path / name.replace(" ", "_"))), words)
+    _assert_all_refused(cases, "--raw")
 
 
 def test_the_untouched_checkpoint_directory_generates(tiny_dir):

@@ -75,6 +75,11 @@ def _skip_value(buf: bytes, pos: int, kind: int) -> int:
     return pos
 
 
+def _read_string(buf: bytes, pos: int) -> tuple[str, int]:
+    length = struct.unpack_from("<Q", buf, pos)[0]
+    return buf[pos + 8 : pos + 8 + length].decode(), pos + 8 + length
+
+
 def read_header(path: Path) -> Header:
     """A good GGUF file's header, editable."""
     with open(path, "rb") as f:
@@ -83,18 +88,14 @@ def read_header(path: Path) -> Header:
     pos = 24
     items = []
     for _ in range(num_items):
-        length = struct.unpack_from("<Q", buf, pos)[0]
-        key = buf[pos + 8 : pos + 8 + length].decode()
-        pos += 8 + length
+        key, pos = _read_string(buf, pos)
         kind = struct.unpack_from("<I", buf, pos)[0]
         end = _skip_value(buf, pos + 4, kind)
         items.append(Item(key, kind, buf[pos + 4 : end]))
         pos = end
     tensors = []
     for _ in range(num_tensors):
-        length = struct.unpack_from("<Q", buf, pos)[0]
-        name = buf[pos + 8 : pos + 8 + length].decode()
-        pos += 8 + length
+        name, pos = _read_string(buf, pos)
         n_dims = struct.unpack_from("<I", buf, pos)[0]
         dims = list(struct.unpack_from(f"<{n_dims}Q", buf, pos + 4))
         pos += 4 + 8 * n_dims
