@@ -143,8 +143,8 @@ class AdaptiveThreads:
         # elsewhere when the affinity is wider than the cores read; clamp at 0).
         self.other_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         threads = threads_for_free_cores(len(self.cpus) - self.other_cores, self.max_threads)
-        if threads != self.threads:
-            logger.info(
+        if threads != self.threads:  # DEBUG: nothing for a user to act on, and it lands amid streamed text
+            logger.debug(
                 "threads %d -> %d: other processes used %.2f of %d cores over the last %.1f s",
                 self.threads,
                 threads,
