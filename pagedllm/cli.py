@@ -23,6 +23,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise ValueError('the prompt is empty: pass the text to answer, e.g. pagedllm generate "Hello"')
+    if not args.raw:
+        check_chat_template(args.model)
     params = sampling_params(args)
     engine = LLMEngine(engine_config(args))
     if args.raw:
@@ -45,11 +47,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_chat_template(model: str | None) -> None:
+    """A chat needs the model's template: a base model is told where plain text goes, before it loads."""
+    from pagedllm.models.loader import has_chat_template, resolve_model_path
+    from pagedllm.text.tokenizer import NO_CHAT_TEMPLATE
+
+    path = resolve_model_path(model)
+    if not has_chat_template(path):
+        raise ValueError(NO_CHAT_TEMPLATE.format(name=model or path.name))
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     import dataclasses
 
     from pagedllm.engine import LLMEngine
 
+    check_chat_template(args.model)
     params = sampling_params(args)
     engine = LLMEngine(engine_config(args))
     if args.max_tokens >= engine.max_model_len:
@@ -121,6 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
         max_body_bytes=parse_bytes(args.max_body_size),
         kv_events=args.kv_events,
+        model_aliases=model_aliases(config.model, args.served_model_name),
     )
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a moment
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
@@ -142,6 +156,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         exit_now(1)
     exit_now(0)
     return 0
+
+
+def model_aliases(model: str | None, served_name: str | None) -> tuple[str, ...]:
+    """A bundled model also answers to its short name (the one the CLI takes), unless renamed."""
+    from pagedllm.models.loader import BUNDLED_MODELS, DEFAULT_MODEL
+
+    if served_name is not None or (model is not None and model not in BUNDLED_MODELS):
+        return ()
+    return (model or DEFAULT_MODEL,)
 
 
 def served_model_name(model: str | None) -> str:

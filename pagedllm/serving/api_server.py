@@ -47,6 +47,9 @@ class ServerSettings:
     # Record the prefix cache's stored and evicted block keys for `GET /kv_events` (a replica behind
     # the data-parallel router, pagedllm/replicas/): the router drains them, so one reader only.
     kv_events: bool = False
+    # Other names requests may give as `model` for the same model (a bundled model's CLI name, e.g.
+    # gemma3-270m beside gemma-3-270m); responses always carry served_model_name.
+    model_aliases: tuple[str, ...] = ()
 
 
 def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
@@ -60,7 +63,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.step_observers.append(ServerLog().observe_step)
-    handlers = Handlers(engine, tokenizer, preparation, metrics, settings.served_model_name, settings.api_key)
+    handlers = Handlers(
+        engine, tokenizer, preparation, metrics, settings.served_model_name, settings.api_key, settings.model_aliases
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -64,9 +64,11 @@ class Handlers:
         metrics: ServerMetrics,
         served_model_name: str,
         api_key: str | None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         self.engine, self.tokenizer, self.prep, self.metrics = engine, tokenizer, preparation, metrics
         self.served_model_name, self.api_key = served_model_name, api_key
+        self.model_names = {served_model_name, *model_aliases}  # what a request's `model` may be
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
@@ -87,7 +89,7 @@ class Handlers:
             )
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(
                 404,
                 f"the model '{model}' does not exist; this server serves '{self.served_model_name}'",

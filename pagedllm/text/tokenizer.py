@@ -12,6 +12,13 @@ from pagedllm.errors import ModelFileError
 logger = logging.getLogger("pagedllm")
 
 
+# What a base model (no chat template) answers to a chat: where plain text goes instead.
+NO_CHAT_TEMPLATE = (
+    "{name} has no chat template (a base model): send plain text instead: `pagedllm generate --raw`, "
+    "the server's /v1/completions, or LLM.generate()"
+)
+
+
 class Tokenizer:
     """A thin wrapper over a transformers tokenizer: encode, decode, chat template."""
 
@@ -66,7 +73,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain text")
+            raise ValueError(NO_CHAT_TEMPLATE.format(name=self.path.name))
         extra = {"tools": tools} if tools else {}
         try:
             ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **extra)
