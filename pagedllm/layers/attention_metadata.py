@@ -68,13 +68,19 @@ class AttentionMetadata:
         index = tuple(self.prefill_indices if indices is None else indices)
         if index not in self._prefill_tensors:
             qsl = self.query_start_loc
-            self._prefill_tensors[index] = (
-                torch.tensor([qsl[i] for i in index], dtype=torch.int64),
-                torch.tensor([qsl[i + 1] - qsl[i] for i in index], dtype=torch.int64),
-                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
-                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
-            )
+            # Built as ordinary tensors even inside the model's inference mode: they keep a version
+            # counter, so the kernels' boundary checks their values once a step, not once a layer.
+            with torch.inference_mode(False):
+                self._prefill_tensors[index] = self._prefill_tensors_of(index, qsl)
         return self._prefill_tensors[index]
+
+    def _prefill_tensors_of(self, index: tuple[int, ...], qsl: list[int]) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.tensor([qsl[i] for i in index], dtype=torch.int64),
+            torch.tensor([qsl[i + 1] - qsl[i] for i in index], dtype=torch.int64),
+            torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+            self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+        )
 
     def whole_prompt_prefills(self, min_tokens: int, window: int = 0) -> list[int]:
         """Prefilling requests whose whole context is this step's tokens (no cached prefix, no
@@ -90,11 +96,12 @@ class AttentionMetadata:
         """(query rows, seq lens, block tables) of the decoding requests, for the C++ kernel."""
         if self._decode_tensors is None:
             index = self.decode_indices
-            self._decode_tensors = (
-                torch.tensor([self.query_start_loc[i] for i in index], dtype=torch.int64),
-                torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
-                self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
-            )
+            with torch.inference_mode(False):  # ordinary tensors, as prefill_tensors builds them
+                self._decode_tensors = (
+                    torch.tensor([self.query_start_loc[i] for i in index], dtype=torch.int64),
+                    torch.tensor([self.seq_lens[i] for i in index], dtype=torch.int64),
+                    self.block_tables[torch.tensor(index, dtype=torch.int64)].contiguous(),
+                )
         return self._decode_tensors
 
     def decode_groups(self, kv_cache: torch.Tensor) -> list[DecodeGroup]:

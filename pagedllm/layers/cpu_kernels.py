@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -330,11 +331,15 @@ class CpuKernels:
         if starts.numel():  # each request's query rows inside q, and no more new tokens than its context
             check_index_range(name, "starts", starts, 0, q.shape[0])
             check_index_range(name, "lens", lens, 0, q.shape[0] + 1)
-            _require(
-                name,
-                bool(((starts + lens) <= q.shape[0]).all()) and bool((lens <= seq_lens).all()),
-                "each request's rows starts + lens within q's tokens, and lens <= seq_lens",
-                q=q, starts=starts, lens=lens, seq_lens=seq_lens,
+            _once(
+                (starts, lens, seq_lens),
+                ("prefill rows", q.shape[0]),
+                lambda: _require(
+                    name,
+                    bool(((starts + lens) <= q.shape[0]).all()) and bool((lens <= seq_lens).all()),
+                    "each request's rows starts + lens within q's tokens, and lens <= seq_lens",
+                    q=q, starts=starts, lens=lens, seq_lens=seq_lens,
+                ),
             )  # fmt: skip
         kv_heads = k_cache.shape[2]
         self._fn("paged_prefill_attention", kernel_key(q.dtype, k_cache.dtype))(
@@ -396,7 +401,7 @@ class CpuKernels:
             and cos.dim() == 2
             and sin.shape == cos.shape
             and cos.dtype == sin.dtype == torch.float32,
-            f"qkv rows of (heads {num_heads} + 2 x kv_heads {kv_heads}) x head_dim {head_dim} values, "
+            lambda: f"qkv rows of (heads {num_heads} + 2 x kv_heads {kv_heads}) x head_dim {head_dim} values, "
             "cos and sin float32 [positions, rotary_dim / 2]",
             qkv=qkv, cos=cos, sin=sin, kv_cache=kv_cache,
         )  # fmt: skip
@@ -643,9 +648,10 @@ def _describe(tensors: dict[str, torch.Tensor | None]) -> str:
     return ", ".join(f"{name} {one(t)}" for name, t in tensors.items())
 
 
-def _require(kernel: str, ok: bool, what: str, **tensors: torch.Tensor | None) -> None:
+def _require(kernel: str, ok: bool, what: str | Callable[[], str], **tensors: torch.Tensor | None) -> None:
+    """`what`: the rule the call broke (a function, where building the text costs)."""
     if not ok:
-        raise KernelArgumentError(f"{kernel}: {what} ({_describe(tensors)})")
+        raise KernelArgumentError(f"{kernel}: {what if isinstance(what, str) else what()} ({_describe(tensors)})")
 
 
 def _index(kernel: str, name: str, t: torch.Tensor, length: int | None, dims: int = 1) -> None:
@@ -657,20 +663,37 @@ def _index(kernel: str, name: str, t: torch.Tensor, length: int | None, dims: in
         )
 
 
-_RANGE_CHECKED: dict[tuple, tuple] = {}  # (id, bounds) -> (weak reference, version) of a tensor in range
+_CHECKED: dict[tuple, tuple] = {}  # (ids, what) -> (weak references, versions) of tensors found right
 _first_out_of_range = None  # csrc/elementwise.cpp's, once the library is loaded
 
 
-def check_index_range(kernel: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
-    """Every value of the int64 tensor `t` in [low, high).  A tensor with a version counter is checked
-    once while it lives unchanged; an inference tensor (no counter) at every call, in C++ (~1 us)."""
-    versioned = not t.is_inference()
-    key = (id(t), low, high)
+def _once(tensors: tuple[torch.Tensor, ...], what: tuple, check: Callable[[], None]) -> None:
+    """Run `check` on these tensors unless it passed on the very same tensors, unchanged since (their
+    version counters), before: every layer of a step hands the kernels the step's tables."""
+    versioned = not any(t.is_inference() for t in tensors)
     if versioned:
-        seen = _RANGE_CHECKED.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
+        key = (*map(id, tensors), *what)
+        seen = _CHECKED.get(key)
+        if (
+            seen is not None
+            and all(ref() is t for ref, t in zip(seen[0], tensors))
+            and seen[1] == tuple(t._version for t in tensors)
+        ):
             return
-    if t.numel():
+    check()
+    if versioned:
+        if len(_CHECKED) > 1024:
+            _CHECKED.clear()
+        _CHECKED[key] = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
+
+
+def check_index_range(kernel: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Every value of the int64 tensor `t` in [low, high), checked once while `t` lives unchanged
+    (an inference tensor, which keeps no version, at every call), in C++ where it can."""
+
+    def check() -> None:
+        if not t.numel():
+            return
         if _first_out_of_range is not None and t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu:
             bad = _first_out_of_range(t.data_ptr(), t.numel(), low, high)
         else:
@@ -680,14 +703,18 @@ def check_index_range(kernel: str, name: str, t: torch.Tensor, low: int, high: i
             raise KernelArgumentError(
                 f"{kernel}: {name} holds values in [{int(least)}, {int(most)}], outside [{low}, {high})"
             )
-    if versioned:
-        if len(_RANGE_CHECKED) > 512:
-            _RANGE_CHECKED.clear()
-        _RANGE_CHECKED[key] = (weakref.ref(t), t._version)
+
+    _once((t,), ("range", low, high), check)
+
+
+_PACKED_CHECKED: dict[int, weakref.ref] = {}  # id -> a PackedWeight found consistent (weights do not change)
 
 
 def _check_packed(kernel: str, w, panel: int) -> None:
-    """A PackedWeight's tensors hold exactly what its rows, cols, bits and group say."""
+    """A PackedWeight's tensors hold exactly what its rows, cols, bits and group say (once a weight)."""
+    seen = _PACKED_CHECKED.get(id(w))
+    if seen is not None and seen() is w:
+        return
     panels = -(-w.rows // panel) if panel else 0
     expected_qs = (panels, w.cols * panel * w.bits // 8)
     groups = w.cols // w.group if w.group in (16, 32) else -1
@@ -707,6 +734,9 @@ def _check_packed(kernel: str, w, panel: int) -> None:
         kernel, ok, f"a packed weight [{w.rows}, {w.cols}] of {w.bits} bits in groups of {w.group}, panels of {panel}",
         qs=w.qs, scales=w.scales, mins=w.mins,
     )  # fmt: skip
+    if len(_PACKED_CHECKED) > 4096:
+        _PACKED_CHECKED.clear()
+    _PACKED_CHECKED[id(w)] = weakref.ref(w)
 
 
 def _check_attention(kernel: str, q, k_cache, v_cache, out, tables) -> None:
