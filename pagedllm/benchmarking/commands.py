@@ -105,10 +105,11 @@ def exit_status(result: dict) -> int:
 
 
 def failed_requests(result) -> int:
+    """The failed requests a result counts (`failed_requests` offline, `failed` served), at any depth."""
     if isinstance(result, dict):
-        own = result.get("failed_requests", result.get("failed", 0))
-        return (own if isinstance(own, int) else 0) + sum(
-            failed_requests(v) for k, v in result.items() if k not in ("failed_requests", "failed")
+        return sum(
+            v if k in ("failed_requests", "failed") and type(v) is int else failed_requests(v)
+            for k, v in result.items()
         )
     if isinstance(result, list):
         return sum(failed_requests(v) for v in result)

@@ -140,7 +140,8 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
     native = use_native_weights(config, path, device, tp, ops)
     if not on_cuda and tp.rank == 0:
-        check_load_memory(weight_memory_needed(path, native), kv_budget // tp.size, available_memory_bytes())
+        needed = weight_memory_needed(path, native, config.max_model_len)
+        check_load_memory(needed, kv_budget // tp.size, available_memory_bytes())
     model_config, weights = load_weights(path, keep_quantized=native)
     check_tensor_parallel_size(model_config, tp.size)
     max_model_len = check_max_model_len(config.max_model_len, model_config.context_length)

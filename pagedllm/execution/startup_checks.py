@@ -75,10 +75,14 @@ def check_load_memory(weights: int, kv_cache: int, available: int | None) -> Non
     fit in the memory the machine has available and the process may map: refused before loading,
     not ended by the OOM killer half way."""
     limit = process_memory_limit()
-    room = min(x for x in (available, limit) if x is not None) if (available, limit) != (None, None) else None
-    if room is None or weights + kv_cache <= room:
+    rooms = {"is available": available, "this process may still map (ulimit -v)": limit}
+    known = {where: room for where, room in rooms.items() if room is not None}
+    if not known:
         return
-    where = "this process may still map (ulimit -v)" if limit is not None and limit == room else "is available"
+    where = min(known, key=known.__getitem__)
+    room = known[where]
+    if weights + kv_cache <= room:
+        return
     raise ValueError(
         f"the model needs at least {format_bytes(weights)} to load and the KV cache {format_bytes(kv_cache)}, but "
         f"{format_bytes(room)} {where}: pass a smaller --kv-cache-memory, or use a smaller or more quantized model"

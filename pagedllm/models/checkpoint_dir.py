@@ -86,7 +86,7 @@ def check_hf_dir(path: Path) -> CheckedCheckpoint:
                 raise ModelFileError(file, f"tensor {name!r}", "appears in more than one file")
             present[ours], file_names[ours] = shape, name
             elements += math.prod(shape)
-    check_tensors(path, config, present, file_names, refuse_extra=False)
+    check_tensors(path, config, present, lambda name: file_names.get(name, name), refuse_extra=False)
     _check_tokenizer_config(path)
     return CheckedCheckpoint(config, files, elements)
 

@@ -21,7 +21,7 @@ from pagedllm.errors import ModelFileError
 from pagedllm.layers.rotary import RopeScaling
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_metadata import check_tokenizer_metadata, meta_float, meta_int, meta_str, meta_token_id
-from pagedllm.models.tensor_checks import check_tensors, expected_tensors
+from pagedllm.models.tensor_checks import check_tensors
 
 # Bounds on the shape the engine runs, far past any real model: a value beyond is a damaged or
 # hostile file, refused before anything is sized by it.
@@ -284,9 +284,9 @@ def check_gguf(reader, path: Path) -> ModelConfig:
         name = hf_tensor_name(tensor.name, arch, path)
         present[name] = tuple(reversed(tensor.shape))
         file_names[name] = tensor.name
-    for name in list(present) + [n for n in expected_tensors(config, present) if n not in present]:
-        file_names.setdefault(name, gguf_name_of(name, arch))
-    check_tensors(path, config, present, file_names, refuse_extra=True)
+    check_tensors(
+        path, config, present, lambda name: file_names.get(name) or gguf_name_of(name, arch), refuse_extra=True
+    )
     if reader.layout_error is not None:
         raise reader.layout_error
     check_tokenizer_metadata(reader, path, config.vocab_size)

@@ -38,18 +38,16 @@ def meta_int(reader, path: Path, key: str, default, low: int, high: int) -> int:
     return value
 
 
-def meta_float(reader, path: Path, key: str, default, low: float, high: float, low_open: bool = True) -> float:
-    """A finite number within (low, high] (or [low, high] when not `low_open`)."""
+def meta_float(reader, path: Path, key: str, default, low: float, high: float) -> float:
+    """A finite number within (low, high]."""
     value = _raw(reader, key, default)
     if value is None and default is None:
         raise ModelFileError(path, key, "is missing")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ModelFileError(path, key, f"is not a number: {_show(value)}")
     value = float(value)
-    above = value > low if low_open else value >= low
-    if not math.isfinite(value) or not above or value > high:
-        bracket = "(" if low_open else "["
-        raise ModelFileError(path, key, f"{value} is not a finite number in {bracket}{low:g}, {high:g}]")
+    if not math.isfinite(value) or not low < value <= high:
+        raise ModelFileError(path, key, f"{value} is not a finite number in ({low:g}, {high:g}]")
     return value
 
 

@@ -176,10 +176,11 @@ def has_chat_template(path: Path) -> bool:
     return isinstance(settings, dict) and bool(settings.get("chat_template"))
 
 
-def weight_memory_needed(path: Path, keep_quantized: bool) -> int:
+def weight_memory_needed(path: Path, keep_quantized: bool, max_model_len: int | None = None) -> int:
     """At least what loading the weights takes, from the checked shapes alone: a quantized tensor
     kept native its file bytes, any other float32 (as loaded), and the rotary tables the model
-    builds for its whole context (cos and sin, and the angles they come from)."""
+    builds for every position up to `max_model_len` (default: its context; cos and sin, and the
+    angles they come from)."""
     if path.suffix == ".gguf":
         reader, config = _checked(path)
         weights = 0
@@ -191,7 +192,8 @@ def weight_memory_needed(path: Path, keep_quantized: bool) -> int:
         config, weights = checked.config, 4 * checked.elements
     pairs = (config.rotary_dim or config.head_dim) // 2
     tables = 2 if config.rope_local_theta is not None else 1
-    return weights + 3 * 4 * config.context_length * pairs * tables
+    positions = min(config.context_length, max_model_len or config.context_length)
+    return weights + 3 * 4 * positions * pairs * tables
 
 
 # --- Hugging Face checkpoint directory -------------------------------------------------

@@ -10,7 +10,7 @@ Shapes here are in the Hugging Face orientation (outermost dimension first: a pr
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pagedllm.errors import ModelFileError
@@ -21,7 +21,7 @@ logger = logging.getLogger("pagedllm")
 Shape = tuple[int, ...]
 
 
-def expected_tensors(config: ModelConfig, present: Mapping[str, Shape], fused_qkv: bool = False) -> dict[str, Shape]:
+def expected_tensors(config: ModelConfig, present: Mapping[str, Shape]) -> dict[str, Shape]:
     """Hugging Face name -> shape of every weight `config` needs.  `present` (the file's names)
     decides between forms the engine takes both of: phi3's q/k/v fused or apart."""
     c = config
@@ -35,7 +35,7 @@ def expected_tensors(config: ModelConfig, present: Mapping[str, Shape], fused_qk
         out[p + "input_layernorm.weight"] = (hidden,)
         out[p + "post_attention_layernorm.weight"] = (hidden,)
         out[p + "self_attn.o_proj.weight"] = (hidden, q)
-        if c.architecture == "phi3" and (fused_qkv or p + "self_attn.qkv_proj.weight" in present):
+        if c.architecture == "phi3" and p + "self_attn.qkv_proj.weight" in present:
             out[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, hidden)
         else:
             out.update({p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden)})
@@ -88,23 +88,23 @@ def check_tensors(
     path: Path,
     config: ModelConfig,
     present: Mapping[str, Shape],
-    file_names: Mapping[str, str],
+    file_name: Callable[[str], str],
     refuse_extra: bool,
 ) -> None:
     """`present`: Hugging Face name -> shape (outermost first) of every tensor in the file;
-    `file_names`: the name each has in the file (what the errors say).  Raises a ModelFileError
+    `file_name`: the name a weight has (or would have) in the file, what the errors say.  Raises a ModelFileError
     for a missing tensor, a wrong shape, or (where `refuse_extra`) a tensor nothing reads."""
     expected = expected_tensors(config, present)
     for name, shape in expected.items():
         if name not in present:
-            raise ModelFileError(path, f"tensor {_file_name(name, file_names)!r}", f"is missing ({_implied(config)})")
+            raise ModelFileError(path, f"tensor {file_name(name)!r}", f"is missing ({_implied(config)})")
         if tuple(present[name]) != shape:
             raise ModelFileError(
                 path,
-                f"tensor {_file_name(name, file_names)!r}",
+                f"tensor {file_name(name)!r}",
                 f"has shape {list(present[name])}, but the config implies {list(shape)} ({_implied(config)})",
             )
-    extra = [file_names.get(name, name) for name in present if name not in expected]
+    extra = [file_name(name) for name in present if name not in expected]
     if extra and refuse_extra:
         raise ModelFileError(
             path,
@@ -116,10 +116,6 @@ def check_tensors(
         logger.warning(
             "%s: %d tensors not read (not weights of a %s model): %s", path.name, len(extra), config.architecture, shown
         )
-
-
-def _file_name(name: str, file_names: Mapping[str, str]) -> str:
-    return file_names.get(name, name)
 
 
 def _implied(c: ModelConfig) -> str:
