@@ -135,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=parse_bytes(args.max_body_size),
         kv_events=args.kv_events,
         model_aliases=model_aliases(config.model, args.served_model_name),
+        allow_unknown_fields=args.allow_unknown_fields,
     )
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a moment
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
@@ -209,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound: more waiting requests get a 429")
     p.add_argument("--max-body-size", default="4MiB", help="larger request bodies get a 413")
+    p.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="ignore body fields this server does not know (default: a 400 naming the field, as OpenAI answers)",
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(
         "--shutdown-timeout",

@@ -21,17 +21,26 @@ import pagedllm.execution.rank_model
 from pagedllm import LLM
 from pagedllm.engine import LLMEngine
 from pagedllm.models.loader import default_model_path
+from pagedllm.testing.memory_watch import GIB, PeakMemoryWatch, parse_gib, tree_memory
 
-_cached_load = functools.cache(pagedllm.execution.rank_model.load_weights)
+_load_weights = pagedllm.execution.rank_model.load_weights
+_cached_load = functools.cache(_load_weights)
+
+
+def _load_shared(path, *args, **kwargs):
+    """The default model's state dicts are kept for the session; any other model's (Gemma 3's
+    float32 copy is over 1 GB) is loaded afresh, so it is freed with its engine."""
+    if str(path) == str(default_model_path()):
+        return _cached_load(path, *args, **kwargs)
+    return _load_weights(path, *args, **kwargs)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _share_loaded_weights():
-    """Every engine in the test session copies from one dequantized state dict."""
-    original = pagedllm.execution.rank_model.load_weights
-    pagedllm.execution.rank_model.load_weights = _cached_load
+    """Every engine on the default model in the test session copies from one state dict."""
+    pagedllm.execution.rank_model.load_weights = _load_shared
     yield
-    pagedllm.execution.rank_model.load_weights = original
+    pagedllm.execution.rank_model.load_weights = _load_weights
 
 
 _engines_built: list[weakref.ref] = []  # the engines built during the running test
@@ -153,3 +162,45 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+# The suite's memory bound: the pytest process and every process it starts, summed (PSS), must
+# stay under PAGEDLLM_TEST_MEMORY_GIB (8 by default, what CI allows); above it the run fails.
+_memory_watch = PeakMemoryWatch()
+
+
+def pytest_sessionstart(session) -> None:
+    _memory_watch.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _memory_watch.label = item.nodeid
+    before = tree_memory(os.getpid())[0]
+    yield
+    log = os.environ.get("PAGEDLLM_TEST_MEMORY_LOG")  # a line a test: what it started with, its peak
+    if log:
+        with open(log, "a") as f:
+            peak = _memory_watch.peak_by_label.get(item.nodeid, 0)
+            f.write(f"{before / GIB:6.2f} {peak / GIB:6.2f} {item.nodeid}\n")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    peak = _memory_watch.stop()
+    bound = parse_gib(os.environ.get("PAGEDLLM_TEST_MEMORY_GIB", "8"))
+    session.config._memory_report = (peak, bound)
+    if peak.total_bytes > bound * GIB and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    peak, bound = config._memory_report
+    own = PeakMemoryWatch.own_high_water_bytes()
+    verdict = "over the bound: FAILED" if peak.total_bytes > bound * GIB else "within the bound"
+    terminalreporter.write_line(
+        f"peak memory {peak.total_bytes / GIB:.2f} GiB (PSS of pytest and its {peak.processes - 1} child "
+        f"processes, sampled every {_memory_watch.interval} s; pytest's own peak RSS {own / GIB:.2f} GiB) "
+        f"during {peak.label or 'collection'}: {verdict} of {bound:g} GiB"
+    )
+    for label, total in _memory_watch.largest(5):
+        terminalreporter.write_line(f"  {total / GIB:6.2f} GiB  {label or 'collection'}")

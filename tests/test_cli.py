@@ -306,12 +306,13 @@ def test_a_bundled_model_answers_to_its_cli_name_too():
     from pagedllm.cli import model_aliases
     from pagedllm.serving.handlers import Handlers
     from pagedllm.serving.openai_protocol import APIError
+    from pagedllm.serving.settings import ServerSettings
 
     assert model_aliases("gemma3-270m", None) == ("gemma3-270m",)
     assert model_aliases(None, None) == ("smollm2",)
     assert model_aliases("gemma3-270m", "mine") == () and model_aliases("/models/x.gguf", None) == ()
     engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=8, model_config=SimpleNamespace(vocab_size=8)))
-    handlers = Handlers(engine, None, None, None, "gemma-3-270m", None, ("gemma3-270m",))
+    handlers = Handlers(engine, None, None, None, ServerSettings("gemma-3-270m", model_aliases=("gemma3-270m",)))
     handlers.check_model("gemma-3-270m")
     handlers.check_model("gemma3-270m")
     with pytest.raises(APIError, match="serves 'gemma-3-270m'"):

@@ -4,6 +4,7 @@ import logging
 import sys
 
 import pytest
+import torch
 
 from pagedllm import SamplingParams
 from pagedllm.config import parse_bytes
@@ -118,19 +119,34 @@ def resident_fraction(tensor) -> float:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore on Linux")
-def test_the_kv_cache_is_committed_at_start_unless_asked_not_to(caplog):
+def test_the_kv_cache_is_committed_in_the_background_unless_asked_not_to(caplog):
+    """The engine is ready before its cache is committed; the commit backs every page without
+    writing one (a block a step wrote meanwhile keeps its values)."""
     from pagedllm import LLM
+    from pagedllm.execution.memory_commit import commit_in_background
 
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
+    with caplog.at_level(logging.DEBUG, logger="pagedllm"):
         committed = LLM(dtype="float32", kv_cache_memory="96MiB", commit_kv_cache=True)
-    assert "KV cache committed: 0.09 GiB" in caplog.text
+        thread = committed.engine.runner.commit_thread
+        assert thread is not None, caplog.text
+        thread.join(timeout=60)
+    assert "KV cache committed: 0.09 of 0.09 GiB" in caplog.text
     assert all(resident_fraction(cache) == 1.0 for cache in committed.engine.runner.kv_caches)
     lazy = LLM(dtype="float32", kv_cache_memory="96MiB", commit_kv_cache=False)
+    assert lazy.engine.runner.commit_thread is None
     assert all(resident_fraction(cache) < 0.1 for cache in lazy.engine.runner.kv_caches)
     params = SamplingParams(temperature=0, max_tokens=8)
     assert lazy.generate("The capital of France is", params)[0].outputs[0].token_ids == (
         committed.generate("The capital of France is", params)[0].outputs[0].token_ids
     )
+
+    buffer = torch.empty(64 * 2**20, dtype=torch.uint8)
+    written = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    buffer[40 * 2**20 : 40 * 2**20 + written.numel()] = written  # a step's write, before the commit reaches it
+    assert resident_fraction(buffer) < 0.1
+    commit_in_background([buffer], "test buffer").join(timeout=60)
+    assert resident_fraction(buffer) == 1.0
+    assert torch.equal(buffer[40 * 2**20 : 40 * 2**20 + written.numel()], written)
 
 
 def test_engine_arguments_are_checked():

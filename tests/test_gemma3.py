@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.testing.hf_reference import greedy, hf_greedy, hf_logits, our_logits
+from pagedllm.testing.hf_reference import assert_logits_close, greedy, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def gemma():
     from conftest import release_shared_engines
     from transformers import AutoModelForCausalLM
 
-    release_shared_engines()  # this test alone peaks near 18 GB (two float32 Gemmas, 262k-wide logits)
+    release_shared_engines()  # two float32 Gemmas (~4 GB together): nothing else may be held beside them
     # The GGUF dequantized and a float32 KV cache, as transformers holds them (the native path:
     # tests/test_quantized.py; the float16 cache: tests/test_kv_cache_dtype.py).
     llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB", weights="dequantized", kv_cache_dtype="float32")
@@ -57,12 +57,10 @@ def test_greedy_tokens_equal_transformers_on_six_prompts_one_past_the_window(gem
     for prompt, output in zip(prompts, outputs):
         assert output.token_ids == hf_greedy(hf, prompt, 20), tokenizer.decode(prompt)[:60]
     for prompt, output in zip(prompts[:2], outputs):
-        ids = prompt + output.token_ids
-        torch.testing.assert_close(our_logits(llm, ids), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+        assert_logits_close(llm, hf, prompt + output.token_ids, atol=2e-4, rtol=1e-4)
     # Past the window, ~2,000 positions of float32 sums: transformers' own sdpa and eager paths
     # differ by 2e-3 there, while a window one token off moves the logits by about 1 (measured).
     # Measured here: 0.0098 with torch's GELU, 0.0126 with the fused GeGLU kernel (its exp is
     # about 2 ulp where torch's tanh is 1), so the bound is 2e-2: still 50x below a window error.
-    ids = long_prompt + outputs[-1].token_ids
-    torch.testing.assert_close(our_logits(llm, ids), hf_logits(hf, ids), atol=2e-2, rtol=1e-4)
+    assert_logits_close(llm, hf, long_prompt + outputs[-1].token_ids, atol=2e-2, rtol=1e-4)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

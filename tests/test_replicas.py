@@ -8,9 +8,9 @@ held anywhere afterwards."""
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -43,11 +43,15 @@ def cluster(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def frontend(cluster):
+def frontend(cluster, tmp_path_factory):
+    # Started as a user starts it, from the folder that holds a clone: a `pagedllm` folder in the
+    # working directory must not stand in for the package in the replicas' processes.
+    parent = tmp_path_factory.mktemp("home")
+    (parent / "pagedllm" / "pagedllm").mkdir(parents=True)
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm", "serve", "--data-parallel-size", "2", "--ray-address",
+    command = [shutil.which("pagedllm") or "pagedllm", "serve", "--data-parallel-size", "2", "--ray-address",
                cluster.address, "--port", str(port), "--kv-cache-memory", "128MiB"]  # fmt: skip
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, cwd=parent)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=240, process=process)
@@ -71,6 +75,20 @@ def wait_all_up(url: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def test_a_replica_that_cannot_start_is_one_line_naming_its_own_error(cluster):
+    """Before the front-end fixture takes the cluster's two CPUs: a KV cache no machine has
+    passes the front-end's checks (it reads the model file only) and fails in each replica."""
+    command = [shutil.which("pagedllm") or "pagedllm", "serve", "--data-parallel-size", "2", "--ray-address",
+               cluster.address, "--port", str(free_port()), "--kv-cache-memory", "64TiB"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    # Ray forwards the replicas' own stderr lines too, in its own time: the error is the line that
+    # starts as the CLI's errors do.
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("pagedllm: error: ")]
+    assert "replica" in error and "while starting: pagedllm: error: kv_cache_memory" in error, error
+    assert "Traceback" not in done.stderr
+
+
 def test_shared_prefixes_land_together_and_streams_pass_through(frontend):
     oai = client(frontend)
     system = "You answer questions about the solar system, briefly and exactly. " * 30
@@ -91,6 +109,11 @@ def test_shared_prefixes_land_together_and_streams_pass_through(frontend):
     assert httpx.post(frontend + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello world"
     too_big = httpx.post(frontend + "/v1/completions", content=b"x" * (5 * 2**20))  # over the 4 MiB default
     assert too_big.status_code == 413
+    for address in stats["router"]["addresses"]:  # a replica answers the front-end only, on its node's address
+        host, port = address.removeprefix("http://").rsplit(":", 1)
+        assert listening_hosts(int(port)) == [host], address
+        direct = httpx.post(address + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert direct.status_code == 401, direct.text
     bad = httpx.post(frontend + "/v1/completions", content=b"{not json")  # the replica's own 400, passed back
     assert bad.status_code == 400 and "error" in bad.json()
     page = httpx.get(frontend + "/dashboard").text
@@ -149,6 +172,18 @@ def test_a_replica_killed_mid_run_loses_no_request(frontend, cluster):
         assert time.monotonic() < deadline, f"blocks still held: {used}"
         time.sleep(0.2)
     assert oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].text is not None
+
+
+def listening_hosts(port: int) -> list[str]:
+    """The IPv4 addresses a TCP socket listens on at `port` (from /proc/net/tcp; 0.0.0.0: all)."""
+    hosts = []
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                hosts.append(".".join(str(b) for b in reversed(bytes.fromhex(ip))))
+    return hosts
 
 
 def _server_pid(address: str) -> int:

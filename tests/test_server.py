@@ -583,6 +583,54 @@ def test_tool_calls_named_required_streamed_and_a_follow_up(client):
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
+# OpenAI's function-calling guide's weather tool, as written there: no additionalProperties, so
+# JSON Schema's own default would let the model add keys until max_tokens; strict schemas close it.
+OPENAI_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_current_weather",
+        "description": "Get the current weather in a given location",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["location"],
+        },
+    },
+}
+
+
+def test_openai_docs_weather_tool_as_written_gives_tool_calls(client):
+    """`required` and a named function end with `tool_calls` whose arguments validate, greedy.
+    With `auto` SmolLM2-135M answers in prose for every phrasing tried (it is not tuned for tools);
+    its reply must then be plain content, and a reply that is a call would be read as one."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What's the weather like in Boston today?"}]
+    named = {"type": "function", "function": {"name": "get_current_weather"}}
+    for choice in ("required", named):
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[OPENAI_WEATHER_TOOL], tool_choice=choice, max_tokens=100,
+            temperature=0,
+        )  # fmt: skip
+        reply = response.choices[0]
+        assert reply.finish_reason == "tool_calls", (choice, reply.message.content)
+        (call,) = reply.message.tool_calls
+        assert call.function.name == "get_current_weather"
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, OPENAI_WEATHER_TOOL["function"]["parameters"])
+        assert set(arguments) <= {"location", "unit"} and "Boston" in arguments["location"], arguments
+    auto = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[OPENAI_WEATHER_TOOL], tool_choice="auto", max_tokens=100, temperature=0
+    ).choices[0]
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls" and auto.message.tool_calls[0].function.name == "get_current_weather"
+    else:
+        assert auto.message.content and '"arguments"' not in auto.message.content
+
+
 TOOL_BAD_INPUTS = [
     (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

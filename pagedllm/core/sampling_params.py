@@ -33,6 +33,10 @@ class StructuredOutput:
     # JSON (a schema or json_object): "compact" allows no whitespace beyond the grammar engine's
     # compact separators; "flexible" allows any (a small model may then pad its reply with newlines).
     whitespace: str = "compact"
+    # A JSON schema's objects that list `properties` and say nothing of other keys allow none
+    # (pagedllm/core/strict_schema.py), as OpenAI's strict mode does; False keeps JSON Schema's
+    # own default (any undeclared key), which lets a small model add keys until max_tokens.
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if self.whitespace not in ("compact", "flexible"):

@@ -20,7 +20,6 @@ asked).  Decode-only steps replay a captured CUDA graph (cuda_graphs.py).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.logits_processors import TokenHistory
+from pagedllm.execution.memory_commit import commit_in_background
 from pagedllm.execution.sampler import Sampler, argmax_only, token_seed
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
 from pagedllm.layers.attention_metadata import AttentionMetadata, build_attention_metadata, group_block_tables
@@ -96,6 +96,7 @@ class VerifyRow:
     block_table: list[int]
     num_prompt_tokens: int
     num_samples: int = 1
+    draft_index: int = 0  # 0: the request's pending token; j: its j-th draft
 
     @property
     def num_new_tokens(self) -> int:
@@ -110,7 +111,7 @@ def model_chunks(scheduled: Sequence[ScheduledRequest]) -> list[tuple[str, Chunk
             chunks.append((c.request.request_id, c))
             continue
         for j, token in enumerate(c.token_ids):
-            row = VerifyRow(c.start + j, [token], c.block_table, c.num_prompt_tokens)
+            row = VerifyRow(c.start + j, [token], c.block_table, c.num_prompt_tokens, draft_index=j)
             chunks.append((c.request.request_id, row))
     return chunks
 
@@ -157,21 +158,18 @@ class ModelRunner:
         cache_blocks = num_blocks + 1
         # Attention never lets a slot outside a request's context reach its output, NaN included
         # (tests/test_attention.py::test_slots_outside_every_context_never_reach_the_output), so the
-        # values are never read before written.  `commit_cache` zeroes a CPU cache only so that the
-        # OS backs every page now: left to the first write of each block, that page fault (and in a
-        # VM, the host's) fell inside the steps, up to a quarter of a prompt step's time.
+        # values are never read before written.  `commit_cache` has the OS back a CPU cache's pages
+        # in the background: left to the first write of each block, that page fault (and in a VM,
+        # the host's) fell inside the steps, up to a quarter of a prompt step's time.
         # Under tensor parallelism: this rank's KV heads, the same number of blocks on every rank.
         kv_heads = model.shard.num_kv_heads
         self.kv_caches = [
             torch.empty(2, cache_blocks, block_size, kv_heads, c.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(self.groups.group_size)
         ]
+        self.commit_thread = None  # backs the cache's pages without writing them (execution/memory_commit.py)
         if commit_cache and self.device.type == "cpu":
-            start = time.perf_counter()
-            for cache in self.kv_caches:
-                cache.zero_()
-            seconds = time.perf_counter() - start
-            logger.info("KV cache committed: %.2f GiB in %.2f s", self.kv_cache_bytes / 2**30, seconds)
+            self.commit_thread = commit_in_background(self.kv_caches, "KV cache")
         self.layer_caches = [self.kv_caches[slot] for slot in self.groups.layer_slot]
         self.sampler = Sampler(seed, self.device, model.ops.kernels)
         self.graphs = None  # DecodeGraphs, once captured (CUDA, enforce_eager off)
@@ -225,8 +223,11 @@ class ModelRunner:
         ids_t, positions_t, slots_t, rows_t, starts_t, lengths_t, tables_t = torch.split(flat, [*sizes, table_size])
         slots_t = slots_t.view(num_groups, num_tokens)
         tables_t = tables_t.view(num_groups, num_requests, max_blocks)
+        draft_rows = sum(1 for c in chunks if isinstance(c, VerifyRow) and c.draft_index > 0)
         metas = [
-            build_attention_metadata(slots_t[g], query_start_loc, seq_lens, tables_t[g], starts_t, lengths_t)
+            build_attention_metadata(
+                slots_t[g], query_start_loc, seq_lens, tables_t[g], starts_t, lengths_t, draft_rows
+            )
             for g in range(num_groups)
         ]
         rope_lengths = None

@@ -13,7 +13,8 @@ JSON (a schema, `json_object`, tool calls) is compact by default: one line, with
 between items and `": "` after keys (SmolLM2 at temperature 0 loops on `{"a":1,"a":...`
 without the spaces), so a small model cannot fill its reply with newlines until
 `max_tokens` cuts it; `whitespace="flexible"` allows any whitespace.  Properties come
-in the schema's own order.
+in the schema's own order.  Schemas are strict by default: an object that lists its
+properties allows no others unless it says so (pagedllm/core/strict_schema.py).
 
 A big schema costs seconds to turn into a matcher (1.7 s for a 1 MB schema here), which
 must not happen on the engine thread between steps: `prepare` builds the first matcher
@@ -31,6 +32,7 @@ from collections import OrderedDict
 import torch
 
 from pagedllm.core.sampling_params import SamplingParamError, StructuredOutput
+from pagedllm.core.strict_schema import strict_schema
 
 logger = logging.getLogger("pagedllm")
 
@@ -102,6 +104,8 @@ def _compile_spec(spec: StructuredOutput) -> str:
                 raise SamplingParamError("structured_output", f"invalid json schema: not JSON ({error})") from None
         if not isinstance(schema, dict):
             raise SamplingParamError("structured_output", "invalid json schema: it must be a JSON object")
+        if spec.strict:
+            schema = strict_schema(schema)
         return _compile("json_schema", json.dumps(schema), flexible)  # the schema's own key order
     if spec.regex is not None:
         return _compile("regex", spec.regex)

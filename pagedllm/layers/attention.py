@@ -196,7 +196,9 @@ def cpp_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
             )
     if meta.decode_indices:
         rows, seq_lens, tables = meta.decode_tensors()
-        kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale, window)
+        kernels.paged_decode_attention(
+            q, kv_cache[0], kv_cache[1], out, rows, seq_lens, tables, scale, window, meta.decode_split_requests
+        )
     return out.view(q.shape[0], -1)
 
 

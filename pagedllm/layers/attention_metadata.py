@@ -53,6 +53,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_requests, max_blocks] int64, padded with 0
     prefill_indices: list[int] = field(default_factory=list)  # requests with more than one new token
     decode_indices: list[int] = field(default_factory=list)  # requests with one new token, shortest first
+    # The requests the decode rows belong to: rows verifying a request's drafts (one decode row a
+    # position, model_runner.VerifyRow) count once, so the C++ decode kernel cuts each row's keys
+    # into the parts it would without drafts (its split depends on the step's request count).
+    decode_split_requests: int = 0
     max_query_len: int = 0  # the most new tokens of any request
     # The same on the step's device, built by the model runner in its one host-to-device copy
     # (the Triton kernel reads them; under a CUDA graph they are the graph's static inputs).
@@ -135,11 +139,14 @@ def build_attention_metadata(
     block_tables: torch.Tensor,
     query_starts: torch.Tensor | None = None,
     seq_lens_tensor: torch.Tensor | None = None,
+    draft_rows: int = 0,
 ) -> AttentionMetadata:
+    """`draft_rows`: decode rows that verify a draft (rows after each request's first)."""
     meta = AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables)
     meta.query_starts, meta.seq_lens_tensor = query_starts, seq_lens_tensor
     num_new = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     meta.max_query_len = max(num_new, default=0)
     meta.prefill_indices = [i for i, n in enumerate(num_new) if n > 1]
     meta.decode_indices = sorted((i for i, n in enumerate(num_new) if n == 1), key=lambda i: seq_lens[i])
+    meta.decode_split_requests = max(1, len(meta.decode_indices) - draft_rows)
     return meta

@@ -81,7 +81,7 @@ _F16KV = ((torch.float32, torch.float16),)
 # float32 or bfloat16 activations over a float8 e4m3 KV cache (`f32_f8kv`, `bf16_f8kv`).
 _F8KV = ((torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn))
 _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symbol for)
-    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV + _F8KV),
+    "paged_decode_attention": ([_P] * 7 + [_I] * 5 + [_F, _I, _I, _I], _F32 + _BF16 + _F16KV + _F8KV),
     "paged_prefill_attention": ([_P] * 8 + [_I] * 5 + [_F, _I, _I], _F32 + _BF16 + _F16KV + _F8KV),
     "add_rms_norm": ([_P] * 4 + [_I] * 2 + [_F], _F32 + _BF16),
     "rope_write_kv": ([_P] * 8 + [_I] * 5, _F32 + _BF16 + _F16KV + _F8KV),
@@ -92,7 +92,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
-    "decode_layers": ([_P, _I] + [_P] * 8 + [_I], _F32 + _BF16 + _F16KV + _F8KV),
+    "decode_layers": ([_P, _I] + [_P] * 8 + [_I, _I], _F32 + _BF16 + _F16KV + _F8KV),
     "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
     "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
@@ -299,11 +299,13 @@ class CpuKernels:
         return fn
 
     def paged_decode_attention(
-        self, q, k_cache, v_cache, out, rows, seq_lens, tables, scale: float, window: int = 0
-    ) -> None:
+        self, q, k_cache, v_cache, out, rows, seq_lens, tables, scale: float, window: int = 0,
+        split_requests: int | None = None,
+    ) -> None:  # fmt: skip
         """q, out [tokens, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim], head_dim
-        in ATTENTION_HEAD_DIMS; per request its query row, context length and block table (int64);
-        `window` > 0: a sliding window."""
+        in ATTENTION_HEAD_DIMS; per query row its row, context length and block table (int64);
+        `window` > 0: a sliding window.  `split_requests`: the request count a row's split into parts
+        is planned for (default: one request a row; rows verifying drafts count once a request)."""
         _check(q, k_cache, v_cache, out, rows, seq_lens, tables)
         name = "paged_decode_attention"
         _check_attention(name, q, k_cache, v_cache, out, tables)
@@ -315,7 +317,7 @@ class CpuKernels:
         self._fn("paged_decode_attention", kernel_key(q.dtype, k_cache.dtype))(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(rows), _ptr(seq_lens), _ptr(tables),
             rows.shape[0], tables.shape[1], k_cache.shape[1], kv_heads, q.shape[1] // kv_heads, scale, window,
-            _head_dim(q),
+            _head_dim(q), rows.shape[0] if split_requests is None else max(1, int(split_requests)),
         )  # fmt: skip
 
     def paged_prefill_attention(
@@ -509,7 +511,7 @@ class CpuKernels:
 
     def decode_layers(
         self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, rows, seq_lens,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, split_requests: int | None = None,
     ) -> None:  # fmt: skip
         """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
         and `shape` are its structs (each layer's rotary, cache slots and block tables among them), built by
@@ -535,6 +537,7 @@ class CpuKernels:
         self._fn("decode_layers", kernel_key(residual.dtype, kv_dtype or residual.dtype))(
             ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
             _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(rows), _ptr(seq_lens), rows.shape[0],
+            rows.shape[0] if split_requests is None else max(1, int(split_requests)),
         )  # fmt: skip
 
     def quant_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:

@@ -254,6 +254,6 @@ class FusedDecode:
         workspace = torch.empty(m * self._row, dtype=self.dtype)
         self.kernels.decode_layers(
             self._table, len(self.layers), self._shape, residual, out, workspace, self.final_norm,
-            positions, rows, seq_lens, self.kv_dtype,
+            positions, rows, seq_lens, self.kv_dtype, metas[0].decode_split_requests,
         )  # fmt: skip
         return out

@@ -17,6 +17,9 @@ Faults:
   interval, and taken back (empty cache) as soon as it answers again, at the address
   `resolve` gives for it then (a restarted replica may listen elsewhere).
 
+The front-end checks the client's API key itself (when it has one) and calls every replica with
+the replicas' own key (`replica_key`), which no client is given.
+
 `/health` is ok while any replica is up; `/stats` and `/metrics` give every replica's and the
 totals; `/replicas/{i}/...` reaches replica i's own pages (its dashboard, its stats), and
 `/dashboard` shows every replica's dashboard side by side.
@@ -38,6 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.replicas.router import NoReplicaError, Placement, Router
+from pagedllm.serving.handlers import check_api_key
+from pagedllm.serving.openai_protocol import APIError
 from pagedllm.serving.request_body import BodySizeLimit
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -72,12 +77,22 @@ def build_frontend(
     api_key: str | None = None,
     poll_interval: float = 0.2,
     max_body_bytes: int = 4 * 2**20,
+    replica_key: str | None = None,
 ) -> FastAPI:
+    """`api_key`: what clients must send (None: nothing); `replica_key`: what the replicas require
+    (None: nothing)."""
     state = FrontendState(router, resolve, [None] * len(router.replicas), api_key, poll_interval)
     # One thread tokenizes (a Rust tokenizer is not for two threads at once), off the event loop.
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-route")
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
+
+    def client_refused(request: Request) -> Response | None:
+        try:
+            check_api_key(request.headers.get("authorization", ""), api_key)
+        except APIError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return None
 
     async def poll_forever() -> None:
         while True:
@@ -129,9 +144,11 @@ def build_frontend(
         return placement
 
     async def forward(request: Request) -> Response:
+        if (refused := client_refused(request)) is not None:
+            return refused
         raw = await request.body()
         path = request.url.path
-        forward_headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
+        forward_headers = {k: v for k, v in request.headers.items() if k == "content-type"} | headers
         tried: list[int] = []
         while True:
             try:
@@ -189,7 +206,9 @@ def build_frontend(
             await upstream.aclose()
             router.finished(placement)
 
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if (refused := client_refused(request)) is not None:
+            return refused
         for i, address in enumerate(state.addresses):
             if address is not None and router.replicas[i].live:
                 reply = await client.get(f"{address}/v1/models", headers=headers)
@@ -198,10 +217,12 @@ def build_frontend(
 
     async def any_replica(request: Request) -> Response:
         """/tokenize and /detokenize: every replica answers them alike; the first one up does."""
-        body, auth = await request.body(), {k: v for k, v in request.headers.items() if k == "authorization"}
+        if (refused := client_refused(request)) is not None:
+            return refused
+        body = await request.body()
         for i, address in enumerate(state.addresses):
             if address is not None and router.replicas[i].live:
-                reply = await client.post(address + request.url.path, content=body, headers=auth)
+                reply = await client.post(address + request.url.path, content=body, headers=headers)
                 return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
         return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
 

@@ -11,10 +11,21 @@ On one machine (no `--ray-address`) Ray starts a local instance with the machine
 and each of N replicas gets cores // N of them (at least 1), pinned to its own cores
 (taskset-style affinity), so replicas do not compete for a core.  On a cluster each replica
 asks Ray for `cores` CPUs and runs that many threads; Ray picks the node.
+
+Exposure: on one machine the replicas and Ray's own services listen on 127.0.0.1 only, Ray
+with its token authentication on and no dashboard.  On a cluster a replica listens on its
+node's address (the one Ray reports), which the front-end must reach.  Either way every
+replica's /v1 routes require a key only the front-end holds (the front-end's own API key, or
+a random one when it has none), so a client cannot go around the front-end.
+
+A replica's server runs the same pagedllm package as the actor that starts it (its folder
+leads PYTHONPATH): a folder named `pagedllm` in the working directory, such as a clone seen
+from its parent, would otherwise be imported in its place.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import signal
@@ -25,6 +36,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,33 +63,68 @@ def node_address() -> str:
 
 
 class ReplicaServer:
-    """The body of a replica actor: `pagedllm serve` as a child process tied to this one."""
+    """The body of a replica actor: `pagedllm serve` as a child process tied to this one.  A
+    server that fails to start leaves the actor alive with `start_error()` saying why in one
+    line (its own last error), so the launcher reports it instead of Ray restarting it."""
 
-    def __init__(self, index: int, serve_args: list[str], cores: int, pin: list[int] | None, start_timeout: float):
-        self.index, self.port, self.host = index, free_port(), node_address()
+    def __init__(
+        self, index: int, serve_args: list[str], cores: int, pin: list[int] | None, start_timeout: float,
+        bind_host: str, api_key: str,
+    ) -> None:  # fmt: skip
+        self.index, self.port = index, free_port()
+        self.host = bind_host if bind_host != "0.0.0.0" else node_address()
+        self._start_error: str | None = None
         command = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--kv-events"]
-        command += ["--host", "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1", "--port", str(self.port)]
-        command += ["--num-threads", str(cores)]
+        command += ["--host", self.host, "--port", str(self.port), "--num-threads", str(cores)]
+        package_parent = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PAGEDLLM_API_KEY=api_key)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
 
         def prepare() -> None:
             _die_with_parent()
             if pin:
                 os.sched_setaffinity(0, pin)
 
-        self.process = subprocess.Popen(command, preexec_fn=prepare)  # noqa: PLW1509 - needed for PDEATHSIG
+        self.process = subprocess.Popen(  # noqa: PLW1509 - preexec_fn is needed for PDEATHSIG
+            command, preexec_fn=prepare, env=env, stderr=subprocess.PIPE, text=True, errors="replace"
+        )
+        self._last_lines: collections.deque[str] = collections.deque(maxlen=20)
+        copier = threading.Thread(target=self._copy_stderr, daemon=True)
+        copier.start()
         deadline = time.monotonic() + start_timeout
         while not self._healthy():
             if self.process.poll() is not None:
-                raise RuntimeError(f"replica {index}'s server exited with {self.process.returncode} while starting")
+                copier.join(timeout=2.0)  # the server's last lines, up to its end of stderr
+                self._start_error = (
+                    f"replica {index}'s server exited with {self.process.returncode} while starting: "
+                    f"{self._last_error()}"
+                )
+                return
             if time.monotonic() > deadline:
                 self.process.kill()
-                raise RuntimeError(f"replica {index}'s server did not answer /health within {start_timeout:.0f} s")
+                self._start_error = f"replica {index}'s server did not answer /health within {start_timeout:.0f} s"
+                return
             time.sleep(0.2)
         threading.Thread(target=self._exit_with_child, daemon=True).start()
 
+    def _copy_stderr(self) -> None:
+        for line in self.process.stderr:
+            sys.stderr.write(line)
+            if line.strip():
+                self._last_lines.append(line.strip())
+
+    def _last_error(self) -> str:
+        """The server's own one-line error if it printed one, else its last line on stderr."""
+        lines = list(self._last_lines)
+        errors = [line for line in lines if line.startswith("pagedllm: error:")]
+        return (errors or lines or ["(it printed nothing)"])[-1]
+
+    def start_error(self) -> str | None:
+        return self._start_error
+
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1.0) as reply:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=1.0) as reply:
                 return reply.status == 200
         except OSError:
             return False
@@ -87,6 +134,8 @@ class ReplicaServer:
         os._exit(1)  # the actor dies with its server: Ray restarts both
 
     def address(self) -> str:
+        if self._start_error is not None:
+            raise RuntimeError(self._start_error)
         return f"http://{self.host}:{self.port}"
 
     def server_pid(self) -> int:
@@ -116,9 +165,12 @@ def start_replicas(
     ray_address: str | None = None,
     cores: int | None = None,
     start_timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> ReplicaSet:
     """Start `num_replicas` replicas (local Ray instance unless `ray_address`) and wait until each
-    answers /health; `cores` per replica (default: this machine's cores split evenly)."""
+    answers /health; `cores` per replica (default: this machine's cores split evenly).  Their /v1
+    routes require `api_key` (the front-end sends it).  A replica that cannot start raises
+    ValueError with its server's own last error."""
     try:
         import ray
     except ImportError as error:
@@ -128,18 +180,23 @@ def start_replicas(
     machine_cores = len(os.sched_getaffinity(0))
     cores = cores or max(1, machine_cores // num_replicas)
     if not ray.is_initialized():
-        if local:
-            ray.init(num_cpus=max(machine_cores, cores * num_replicas), include_dashboard=False, log_to_driver=True)
+        if local:  # loopback only, token authentication on (unless RAY_AUTH_MODE says otherwise), no dashboard
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            ray.init(
+                num_cpus=max(machine_cores, cores * num_replicas), include_dashboard=False, log_to_driver=True,
+                _node_ip_address="127.0.0.1",
+            )  # fmt: skip
         else:
             ray.init(address=ray_address, log_to_driver=True)
+    bind_host = "127.0.0.1" if local else "0.0.0.0"  # 0.0.0.0: the node's own address, as Ray reports it
     actor_class = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=-1)(ReplicaServer)
     all_cores = sorted(os.sched_getaffinity(0))
     actors = []
     for i in range(num_replicas):
         pin = all_cores[i * cores : (i + 1) * cores] if local and (i + 1) * cores <= len(all_cores) else None
-        actors.append(actor_class.remote(i, serve_args, cores, pin, start_timeout))
-    try:  # every replica up (or its error raised here)
-        ray.get([actor.address.remote() for actor in actors], timeout=start_timeout + 60)
+        actors.append(actor_class.remote(i, serve_args, cores, pin, start_timeout, bind_host, api_key or ""))
+    try:  # every replica up, or the first one's own error
+        errors = ray.get([actor.start_error.remote() for actor in actors], timeout=start_timeout + 60)
     except ray.exceptions.GetTimeoutError as error:
         for actor in actors:
             ray.kill(actor, no_restart=True)
@@ -148,4 +205,9 @@ def start_replicas(
             f"{num_replicas} replicas of {cores} CPUs were not all up within {start_timeout + 60:.0f} s "
             f"(Ray has {free:g} CPUs free: is the cluster big enough?)"
         ) from error
+    failed = [error for error in errors if error is not None]
+    if failed:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise ValueError(failed[0])
     return ReplicaSet(actors, cores)

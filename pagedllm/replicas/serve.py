@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 
 logger = logging.getLogger("pagedllm")
 
 # Flags of `pagedllm serve` that belong to the front-end, not to each replica (with their values).
-_FRONTEND_FLAGS = {"--host": 1, "--port": 1, "--data-parallel-size": 1, "--ray-address": 1, "--router": 1}
+# The API key goes to each replica in its environment, not its command line (`ps` shows that).
+_FRONTEND_FLAGS = {
+    "--host": 1, "--port": 1, "--data-parallel-size": 1, "--ray-address": 1, "--router": 1, "--api-key": 1
+}  # fmt: skip
 _FRONTEND_SWITCHES = {"--kv-events"}
 
 
@@ -33,22 +37,24 @@ def replica_args(serve_argv: list[str]) -> list[str]:
 def serve_data_parallel(args: argparse.Namespace, serve_argv: list[str], block_size: int, model_path) -> int:
     import uvicorn
 
+    from pagedllm.config import parse_bytes
     from pagedllm.replicas.frontend import build_frontend
     from pagedllm.replicas.launcher import start_replicas
     from pagedllm.replicas.router import Router
     from pagedllm.text.tokenizer import Tokenizer
 
     n = args.data_parallel_size
-    logger.info("starting %d replicas on Ray (%s)", n, args.ray_address or "a local instance")
-    replicas = start_replicas(replica_args(serve_argv), n, args.ray_address)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    replica_key = api_key or secrets.token_urlsafe(32)  # the replicas answer only the front-end
+    where = "127.0.0.1" if args.ray_address is None else "each node's address"
+    logger.info("starting %d replicas on Ray (%s), listening on %s", n, args.ray_address or "a local instance", where)
+    replicas = start_replicas(replica_args(serve_argv), n, args.ray_address, api_key=replica_key)
     try:
         router = Router(n, block_size, args.router)
-        api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-        from pagedllm.config import parse_bytes
-
         app = build_frontend(
-            Tokenizer(model_path), router, replicas.resolve, api_key, max_body_bytes=parse_bytes(args.max_body_size)
-        )
+            Tokenizer(model_path), router, replicas.resolve, api_key, max_body_bytes=parse_bytes(args.max_body_size),
+            replica_key=replica_key,
+        )  # fmt: skip
         logger.info(
             "serving %d replicas (%d cores each, router %s) on http://%s:%d/v1",
             n, replicas.cores, args.router, args.host, args.port,

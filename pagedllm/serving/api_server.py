@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -34,22 +33,10 @@ from pagedllm.serving.preparation import Preparation
 from pagedllm.serving.request_body import BodySizeLimit
 from pagedllm.serving.server_log import ServerLog
 from pagedllm.serving.server_metrics import ServerMetrics
+from pagedllm.serving.settings import ServerSettings
 from pagedllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
-
-
-@dataclass
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 2**20
-    # Record the prefix cache's stored and evicted block keys for `GET /kv_events` (a replica behind
-    # the data-parallel router, pagedllm/replicas/): the router drains them, so one reader only.
-    kv_events: bool = False
-    # Other names requests may give as `model` for the same model (a bundled model's CLI name, e.g.
-    # gemma3-270m beside gemma-3-270m); responses always carry served_model_name.
-    model_aliases: tuple[str, ...] = ()
 
 
 def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
@@ -63,9 +50,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.step_observers.append(ServerLog().observe_step)
-    handlers = Handlers(
-        engine, tokenizer, preparation, metrics, settings.served_model_name, settings.api_key, settings.model_aliases
-    )
+    handlers = Handlers(engine, tokenizer, preparation, metrics, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -231,6 +231,11 @@ class AsyncLLMEngine:
         return self._draining
 
     @property
+    def num_open_requests(self) -> int:
+        """Requests whose consumer has not had their last output (read from any thread)."""
+        return len(self._streams)
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
 

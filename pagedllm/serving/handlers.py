@@ -41,11 +41,26 @@ from pagedllm.serving.openai_responses import ChoiceTracker, new_id
 from pagedllm.serving.preparation import Preparation
 from pagedllm.serving.request_body import parse_json
 from pagedllm.serving.server_metrics import ServerMetrics
+from pagedllm.serving.settings import ServerSettings
 from pagedllm.serving.streaming import EngineStreamResponse, collect_all, request_failed, sse
 from pagedllm.text.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.25
 Prepared = tuple[list[tuple[list[int], Any, str]], ChoiceTracker, Any]  # engine requests, tracker, body
+
+
+def check_api_key(authorization: str, api_key: str | None) -> None:
+    """A 401 unless the `Authorization` header carries `api_key` (None: no key needed)."""
+    if api_key is None:
+        return
+    if not secrets.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        problem = "wrong" if authorization else "missing"
+        raise APIError(
+            401,
+            f"{problem} API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def service_unavailable(error: EngineDeadError) -> APIError:
@@ -62,13 +77,12 @@ class Handlers:
         tokenizer: Tokenizer,
         preparation: Preparation,
         metrics: ServerMetrics,
-        served_model_name: str,
-        api_key: str | None,
-        model_aliases: tuple[str, ...] = (),
+        settings: ServerSettings,
     ) -> None:
         self.engine, self.tokenizer, self.prep, self.metrics = engine, tokenizer, preparation, metrics
-        self.served_model_name, self.api_key = served_model_name, api_key
-        self.model_names = {served_model_name, *model_aliases}  # what a request's `model` may be
+        self.served_model_name, self.api_key = settings.served_model_name, settings.api_key
+        self.model_names = {settings.served_model_name, *settings.model_aliases}  # what a request's `model` may be
+        self.allow_unknown_fields = settings.allow_unknown_fields
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
@@ -76,17 +90,7 @@ class Handlers:
     # --- checks ------------------------------------------------------------------------
 
     def check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            problem = "wrong" if given else "missing"
-            raise APIError(
-                401,
-                f"{problem} API key: send 'Authorization: Bearer <key>'",
-                "authentication_error",
-                code="invalid_api_key",
-            )
+        check_api_key(request.headers.get("authorization", ""), self.api_key)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -149,7 +153,7 @@ class Handlers:
         return JSONResponse(tracker.response())
 
     def prepare_completion(self, raw: bytes) -> Prepared:
-        body = parse_body(CompletionRequest, parse_json(raw))
+        body = parse_body(CompletionRequest, parse_json(raw), self.allow_unknown_fields)
         self.check_model(body.model)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = body.prompts()
@@ -178,7 +182,7 @@ class Handlers:
         return [(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)], tracker, body
 
     def prepare_chat(self, raw: bytes) -> Prepared:
-        body = parse_body(ChatCompletionRequest, parse_json(raw))
+        body = parse_body(ChatCompletionRequest, parse_json(raw), self.allow_unknown_fields)
         self.check_model(body.model)
         in_template = self.prep.template_takes_tools
         mode = body.tool_mode(in_template)
@@ -209,7 +213,7 @@ class Handlers:
         return await self.prep.run(self.tokenize_body, await request.body())
 
     def tokenize_body(self, raw: bytes) -> dict:
-        body = parse_body(TokenizeRequest, parse_json(raw))
+        body = parse_body(TokenizeRequest, parse_json(raw), self.allow_unknown_fields)
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send either prompt (text) or messages (a chat)", "prompt")
@@ -224,7 +228,7 @@ class Handlers:
         return await self.prep.run(self.detokenize_body, await request.body())
 
     def detokenize_body(self, raw: bytes) -> dict:
-        body = parse_body(DetokenizeRequest, parse_json(raw))
+        body = parse_body(DetokenizeRequest, parse_json(raw), self.allow_unknown_fields)
         self.check_model(body.model)
         outside = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if outside:

@@ -2,12 +2,16 @@
 
 Types are strict (a string where a number belongs is a 400, never coerced).
 Parameters this engine does not implement are refused with a 400 naming
-them.  Unknown fields are ignored, as OpenAI does.
+them.  A field no body of this API has is a 400 naming it, as OpenAI
+answers (a typo such as `max_token` would otherwise run to the context
+length); `pagedllm serve --allow-unknown-fields` ignores them instead, for
+clients that send extensions of another server.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -62,15 +66,45 @@ def _is_type_name(part: object) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Body(BaseModel):
+    """A part of a request body: strict types; fields it does not declare are kept aside
+    (`model_extra`) for `unknown_fields` to name."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def unknown_fields(value: Any, where: str = "") -> list[tuple[str, str, list[str]]]:
+    """Every undeclared field in a parsed body: (its path, its name, the declared names there)."""
+    found: list[tuple[str, str, list[str]]] = []
+    if isinstance(value, Body):
+        declared = list(type(value).model_fields)
+        found += [(f"{where}{name}", name, declared) for name in value.model_extra or {}]
+        for name in declared:
+            found += unknown_fields(getattr(value, name), f"{where}{name}.")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += unknown_fields(item, f"{where}{i}.")
+    return found
+
+
+def refuse_unknown_fields(request: Body) -> None:
+    for path, name, declared in unknown_fields(request)[:1]:
+        close = difflib.get_close_matches(name, declared, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise bad_request(
+            f"unknown field {path!r}{hint}; this server refuses fields it does not know "
+            "(start it with --allow-unknown-fields to ignore them)",
+            param=path,
+        )
+
+
+class StreamOptions(Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's; accepted, nothing to obfuscate here
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -85,6 +119,13 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's bookkeeping fields: accepted and without effect here (no stored completions,
+    # no tiers, no cache keys across servers).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # Extensions, as in vLLM: more sampling knobs.
     top_k: int | None = None
     min_p: float | None = None
@@ -133,7 +174,8 @@ class _SamplingRequest(BaseModel):
                 spec = value.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                     raise bad_request("response_format json_schema needs json_schema.schema, a JSON object", field)
-                return StructuredOutput(json_schema=spec["schema"]), field
+                # OpenAI's `strict: false` asks for JSON Schema's own (lenient) form
+                return StructuredOutput(json_schema=spec["schema"], strict=spec.get("strict") is not False), field
             if field == "guided_json":
                 return StructuredOutput(json_schema=value), field
             if field == "guided_regex":
@@ -230,31 +272,34 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ContentPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCall(Body):
     name: str
     arguments: str
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class MessageToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # OpenAI's other message fields (a reply's message sent back in the next request carries
+    # them): accepted, not shown to the model.
+    name: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
     def for_template(self) -> dict[str, str]:
         """The message as chat templates take it; OpenAI's `developer` role is a system message."""
@@ -270,21 +315,21 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionSpec(Body):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Absent or true: the arguments' schema is compiled strictly (an object's undeclared
+    # properties refused unless it allows them); false: JSON Schema's own lenient form.
+    strict: bool | None = None
 
 
-class ToolSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolSpec(Body):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: dict[str, str]
 
@@ -296,6 +341,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolSpec] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted without effect: `required` and a named choice make one call
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -316,11 +362,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if len(set(names)) != len(names):
             raise bad_request(f"tool names must be distinct, got {names}", "tools")
         tools = tuple(
-            Tool(t.function.name, t.function.description, t.function.parameters or EMPTY_PARAMETERS) for t in self.tools
+            Tool(t.function.name, t.function.description, t.function.parameters or EMPTY_PARAMETERS, t.function.strict)
+            for t in self.tools
         )
         for tool in tools:  # a schema the grammar engine refuses is the client's error, said now
             try:
-                compile_grammar(StructuredOutput(json_schema=tool.parameters))
+                compile_grammar(StructuredOutput(json_schema=tool.parameters, strict=tool.strict is not False))
             except SamplingParamError as error:
                 raise bad_request(f"tool {tool.name!r}: {error}", "tools") from None
         if choice == "none":
@@ -359,31 +406,31 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """POST /tokenize: text, or a chat through the model's template (vLLM's shape)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """POST /detokenize: token ids back to text."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     tokens: list[int]
 
 
-def parse_body(model: type[BaseModel], body: Any) -> Any:
+def parse_body(model: type[Body], body: Any, allow_unknown_fields: bool = False) -> Any:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     try:
         request = model.model_validate(body)
     except ValidationError as error:
         raise validation_error(error) from None
+    if not allow_unknown_fields:
+        refuse_unknown_fields(request)
     if hasattr(request, "refuse_unsupported"):  # the sampling bodies refuse what this server does not do
         request.refuse_unsupported()
     return request

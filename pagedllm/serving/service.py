@@ -3,11 +3,12 @@
 - The listening address is bound first, so a taken port is a one-line error (exit code 2)
   in a moment, not after the model has loaded.  It is bound, not listened on: a client that
   connects while the model loads is refused, not left waiting.
-- The first SIGINT or SIGTERM stops accepting connections and new requests (503, and
-  /health says "draining"), lets running requests finish for up to `--shutdown-timeout`
-  seconds, then aborts what is left (a stream still open ends with a 503 error event,
-  "the server shut down before this request finished"), frees its blocks, stops the
-  engine thread and exits 0.  The process then ends at once (`os._exit`): tearing down
+- The first SIGINT or SIGTERM starts a drain: the server keeps listening, refuses new
+  requests (503) and answers /health with 503 `{"status": "draining"}` (a load balancer
+  sees it leave), lets running requests finish for up to `--shutdown-timeout` seconds, then
+  aborts what is left (a stream still open ends with a 503 error event, "the server shut
+  down before this request finished").  Once no request is open it stops listening, frees
+  the blocks, stops the engine thread and exits 0.  The process then ends at once (`os._exit`): tearing down
   the interpreter's modules takes a second and does nothing a stopped server needs.
 - A second signal exits at once: one line on stderr, exit code 128 + the signal's number
   (130 for SIGINT, 143 for SIGTERM), no traceback and no C++ teardown (`os._exit`).
@@ -24,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
@@ -70,12 +72,13 @@ class ServingServer(uvicorn.Server):
             port=args.port,
             log_level=args.log_level.lower(),
             access_log=args.access_log,
-            timeout_graceful_shutdown=args.shutdown_timeout + 1,  # type: ignore[arg-type]  (a float works)
+            timeout_graceful_shutdown=5,  # by then every request has ended (`_drain`): replies being written
         )
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = args.shutdown_timeout
         self.sock = sock
+        self.draining_since: float | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -92,23 +95,28 @@ class ServingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
+        if self.draining_since is not None or self.should_exit:
             os.write(2, f"pagedllm: {signal.Signals(sig).name} again: exiting now without draining\n".encode())
             os._exit(128 + sig)
-        self.should_exit = True
+        self.draining_since = time.monotonic()
         self.engine.start_draining()
-        # At the deadline the engine ends what is still open, so each stream closes by itself;
-        # uvicorn's own deadline (a second later) only cancels what is stuck past that.
-        timer = threading.Timer(
-            self.shutdown_timeout,
-            self.engine.end_open_requests,
-            ("the server shut down before this request finished",),
-        )
-        timer.daemon = True
-        timer.start()
+        threading.Thread(target=self._drain, name="pagedllm-drain", daemon=True).start()
         logger.warning(
             "%s: no new requests; running ones have %.0f s to finish, then are aborted "
             "(send the signal again to exit at once)",
             signal.Signals(sig).name,
             self.shutdown_timeout,
         )
+
+    def _drain(self) -> None:
+        """Until every open request has ended (or the deadline ended them), the server still answers:
+        503 to new requests and to /health.  Then uvicorn stops as on any exit."""
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.engine.num_open_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.engine.num_open_requests:  # each stream closes by itself with the abort's error event
+            self.engine.end_open_requests("the server shut down before this request finished")
+            settle = time.monotonic() + 1.0
+            while self.engine.num_open_requests and time.monotonic() < settle:
+                time.sleep(0.05)
+        self.should_exit = True

@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagedllm.core.sampling_params import StructuredOutput
+from pagedllm.core.strict_schema import strict_schema
 
 EMPTY_PARAMETERS = {"type": "object"}
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -39,6 +40,12 @@ class Tool:
     name: str
     description: str | None
     parameters: dict
+    strict: bool | None = None  # OpenAI's `strict`: only an explicit False compiles `parameters` leniently
+
+    @property
+    def constrained_parameters(self) -> dict:
+        """The schema the arguments are held to: strict unless the tool asked otherwise."""
+        return self.parameters if self.strict is False else strict_schema(self.parameters)
 
 
 @dataclass(frozen=True)
@@ -63,14 +70,14 @@ class ToolMode:
     def constraint(self) -> StructuredOutput | None:
         if self.kind == "named":
             tool = next(t for t in self.tools if t.name == self.name)
-            return StructuredOutput(json_schema=tool.parameters)
+            return StructuredOutput(json_schema=tool.parameters, strict=tool.strict is not False)
         if self.kind == "required":
             definitions: dict[str, dict] = {}
             calls = [_call_schema(t, f"tool{i}", definitions) for i, t in enumerate(self.tools)]
             schema: dict = {"anyOf": calls}
             if definitions:
                 schema["$defs"] = definitions
-            return StructuredOutput(json_schema=schema)
+            return StructuredOutput(json_schema=schema, strict=False)  # each tool's part made strict or not
         return None
 
     def system_message(self) -> str:
@@ -120,7 +127,7 @@ def _call_schema(tool: Tool, prefix: str, definitions: dict[str, dict]) -> dict:
     (`$ref` to `#/$defs/...`, `#/definitions/...` or `#`) is moved under the root's `$defs` as
     `prefix`, its own definitions beside it as `prefix.NAME`, and its references rewritten to
     match: nested under `arguments` as it is, they would point at nothing."""
-    parameters = tool.parameters
+    parameters = tool.constrained_parameters
     if not _has_local_refs(parameters):
         arguments = parameters
     else:

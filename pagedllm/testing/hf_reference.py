@@ -13,7 +13,8 @@ from pagedllm.core.scheduler import ScheduledRequest
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with transformers' KV cache, never stopping at EOS."""
     device = next(model.parameters()).device
-    out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
+    # The last position's logits only: a long prompt's every position over a 262k vocabulary is GBs.
+    out = model(torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     tokens = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
@@ -28,8 +29,31 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids], device=device)).logits[0].float()
 
 
+@torch.inference_mode()
+def assert_logits_close(llm: LLM, model, ids: list[int], atol: float, rtol: float, rows: int = 128) -> None:
+    """Our logits and transformers' at every position of `ids`, compared `rows` positions at a
+    time: a 262k-token vocabulary's logits for 2,000 positions are 2 GB a side in float32, which
+    neither side needs at once.  Each side's final hidden states come from one forward pass; the
+    LM head runs on a slice of them at a time (as transformers' own forward would, softcap included)."""
+    ours = our_hidden(llm, ids)
+    device = next(model.parameters()).device
+    theirs = model.model(torch.tensor([ids], device=device)).last_hidden_state[0]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    for start in range(0, len(ids), rows):
+        expected = model.lm_head(theirs[start : start + rows]).float()
+        if softcap:
+            expected = torch.tanh(expected / softcap) * softcap
+        got = llm.engine.runner.model.compute_logits(ours[start : start + rows]).float()
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m, s=start: f"positions {s}+: {m}")
+
+
 def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prefill through the paged cache."""
+    return llm.engine.runner.model.compute_logits(our_hidden(llm, ids))
+
+
+def our_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The final norm's output at every position of one prefill through the paged cache."""
     engine = llm.engine
     kv = engine.kv_cache
     request_id = "teacher-forced"
@@ -40,8 +64,7 @@ def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         chunk = ScheduledRequest(request, 0, len(ids), kv.block_table(request_id), True)
         step = engine.runner.prepare([chunk])
         model = engine.runner.model
-        hidden = model(step.input_ids, step.positions, engine.runner.layer_caches, step.meta, step.rope_lengths)
-        return model.compute_logits(hidden)
+        return model(step.input_ids, step.positions, engine.runner.layer_caches, step.meta, step.rope_lengths)
     finally:
         kv.free(request_id)
 

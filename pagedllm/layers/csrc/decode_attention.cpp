@@ -30,6 +30,7 @@
 // faster at 128 requests x ~268 tokens over 30 layers' caches (bfloat16, AVX512-BF16 EPYC;
 // docs/performance.md).
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <limits>
@@ -635,15 +636,32 @@ void merge_parts(const float* parts, int64_t count, int64_t heads, T* out) {
   }
 }
 
+// The threads a split is planned for: the cores this process may run on, fixed for its life.  Not
+// the current OpenMP team size, which the adaptive thread count changes between steps: a row's
+// parts (and so the last bits of its output) must depend on its step's requests only, so that a
+// draft verified as a row equals the decode step it stands for (pagedllm/core/speculation.py).
+int64_t split_threads() {
+  static const int64_t count = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max<int64_t>(1, CPU_COUNT(&set)) : int64_t{1};
+  }();
+  return count;
+}
+
+// split_requests: the request count that decides how many parts a request's keys are cut into
+// (the step's decoding requests; rows that verify drafts are computed as the decodes they stand
+// for, so they count once per request).
 template <int64_t D, typename T, typename KV>
 void decode_kernel(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* rows,
                    const int64_t* seq_lens, const int64_t* block_tables, int64_t num_requests, int64_t max_blocks,
-                   int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window) {
+                   int64_t block_size, int64_t kv_heads, int64_t group, float scale, int64_t window,
+                   int64_t split_requests) {
   const int64_t heads = kv_heads * group;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = split_threads();
+  const int64_t basis = std::max<int64_t>(1, split_requests);
   // Twice the threads' count of parts, so that uneven parts still balance.
-  const int64_t wanted =
-      num_requests < threads ? std::min(kMaxParts, (2 * threads + num_requests - 1) / num_requests) : 1;
+  const int64_t wanted = basis < threads ? std::min(kMaxParts, (2 * threads + basis - 1) / basis) : 1;
   struct Item {
     int64_t request, start, end, count;
     int64_t slot;  // a split request's part: its place in `partials` (its request's parts in a row); else -1
@@ -698,21 +716,23 @@ using pagedllm::f8;
 // q, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim],
 // head_dim 64, 128 or 256 (the caller checks; another size does nothing).
 // Decode: rows = the query row of each decoding request; seq_lens and block tables per request.
-// window: the sliding window (0: none).
+// window: the sliding window (0: none).  split_requests: see decode_kernel (num_requests when every
+// row is its own request's decode).
 #define PAGEDLLM_DECODE_ATTENTION(SUFFIX, T, KV)                                                                             \
   PAGEDLLM_API void paged_decode_attention_##SUFFIX(                                                               \
       const T* q, const KV* k_cache, const KV* v_cache, T* out, const int64_t* rows, const int64_t* seq_lens,       \
       const int64_t* block_tables, int64_t num_requests, int64_t max_blocks, int64_t block_size, int64_t kv_heads,  \
-      int64_t group, float scale, int64_t window, int64_t head_dim) {                                              \
+      int64_t group, float scale, int64_t window, int64_t head_dim, int64_t split_requests) {                      \
     switch (head_dim) {                                                                                            \
       case 64: pagedllm::decode_kernel<64, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables, num_requests, \
-                                              max_blocks, block_size, kv_heads, group, scale, window); break;        \
+                                              max_blocks, block_size, kv_heads, group, scale, window,              \
+                                              split_requests); break;                                              \
       case 128: pagedllm::decode_kernel<128, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
                                                 num_requests, max_blocks, block_size, kv_heads, group, scale,       \
-                                                window); break;                                                     \
+                                                window, split_requests); break;                                     \
       case 256: pagedllm::decode_kernel<256, T, KV>(q, k_cache, v_cache, out, rows, seq_lens, block_tables,             \
                                                 num_requests, max_blocks, block_size, kv_heads, group, scale,       \
-                                                window); break;                                                     \
+                                                window, split_requests); break;                                     \
       default: break;                                                                                              \
     }                                                                                                              \
   }

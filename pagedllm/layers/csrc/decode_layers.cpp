@@ -87,7 +87,7 @@ struct DecodeShape {
                            const float*, int64_t, int64_t, int64_t);                                               \
   void paged_decode_attention_##SUFFIX(const T*, const T*, const T*, T*, const int64_t*, const int64_t*,           \
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
-                                       int64_t);                                                                   \
+                                       int64_t, int64_t);                                                          \
   }                                                                                                                \
   struct Kernels_##SUFFIX {                                                                                        \
     using KV = T; /* the KV cache's element */                                                                     \
@@ -115,7 +115,7 @@ void rope_write_kv_f32_f16kv(const float*, float*, pagedllm::f16*, pagedllm::f16
                              const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 void paged_decode_attention_f32_f16kv(const float*, const pagedllm::f16*, const pagedllm::f16*, float*, const int64_t*,
                                       const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                      float, int64_t, int64_t);
+                                      float, int64_t, int64_t, int64_t);
 }
 struct Kernels_f32_f16kv : Kernels_f32 {
   using KV = pagedllm::f16;
@@ -130,7 +130,7 @@ struct Kernels_f32_f16kv : Kernels_f32 {
                               const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);            \
   void paged_decode_attention_##SUFFIX(const T*, const pagedllm::f8*, const pagedllm::f8*, T*, const int64_t*,     \
                                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, \
-                                       float, int64_t, int64_t);                                                   \
+                                       float, int64_t, int64_t, int64_t);                                          \
   }                                                                                                                \
   struct Kernels_##SUFFIX : Kernels_##BASE {                                                                       \
     using KV = pagedllm::f8;                                                                                       \
@@ -177,7 +177,8 @@ void add_into(T* residual, const T* delta, int64_t n) {
 template <typename T>
 struct Buffers {
   T *h, *qkv, *q, *attn, *delta, *gate_up, *act;
-  Buffers(T* workspace, const DecodeShape& s, int64_t m) {
+  int64_t split_requests;  // what paged_decode_attention plans its split for: the step's requests
+  Buffers(T* workspace, const DecodeShape& s, int64_t m, int64_t split) : split_requests(split) {
     const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
     h = workspace;
     qkv = h + m * s.hidden;
@@ -204,7 +205,8 @@ void attend(const DecodeLayer& layer, const DecodeShape& s, const Buffers<T>& b,
     for (int64_t i = 0; i < n; ++i) b.q[i] = from_float<T>(to_float(b.q[i]) * s.q_scale);
   }
   K::decode_attention(b.q, k_cache, v_cache, b.attn, rows, seq_lens, layer.tables, m, layer.max_blocks,
-                      s.block_size, s.kv_heads, s.heads / s.kv_heads, s.scale, layer.window, s.head_dim);
+                      s.block_size, s.kv_heads, s.heads / s.kv_heads, s.scale, layer.window, s.head_dim,
+                      b.split_requests);
 }
 
 // One llama layer: delta (the previous layer's output; none for the first) added to the
@@ -252,8 +254,8 @@ void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* 
 template <typename T, typename K>
 void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
                 T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
-                const int64_t* seq_lens, int64_t m, bool tile) {
-  const Buffers<T> b(workspace, s, m);
+                const int64_t* seq_lens, int64_t m, bool tile, int64_t split_requests) {
+  const Buffers<T> b(workspace, s, m, split_requests);
   for (int64_t l = 0; l < num_layers; ++l) {
     if (s.gemma) {
       gemma_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m, tile);
@@ -281,7 +283,7 @@ constexpr int64_t kMinRowsPerThread = 16;
 template <typename T, typename K>
 void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
                    T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
-                   const int64_t* seq_lens, int64_t m) {
+                   const int64_t* seq_lens, int64_t m, int64_t split_requests) {
   const int threads = omp_get_max_threads();
   const bool tile = s.quant_int_max_rows > 0 && m > s.quant_int_max_rows;
   // Nested regions must run on one thread each (OpenMP's default), or the kernels' own regions
@@ -290,7 +292,7 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
                      omp_get_max_active_levels() <= 1;
   if (!split)
     return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, rows, seq_lens,
-                            m, tile);
+                            m, tile, split_requests);
   // Rows cut into one contiguous range a thread, balanced by cost: a row's projections, counted
   // as the context tokens whose attention reads as long (at ~16 FLOP a byte, about this CPU's
   // peak over its memory bandwidth), plus its request's context.
@@ -340,7 +342,7 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
       }
       run_layers<T, K>(my_layers.data(), num_layers, s, residual + a * s.hidden, out + a * s.hidden,
                        workspace + a * row_size, final_norm, positions + a, my_rows.data(), my_lens.data(), n,
-                       tile);
+                       tile, split_requests);
     }
   }
 }
@@ -359,9 +361,9 @@ PAGEDLLM_API int64_t decode_layers_workspace(const DecodeShape* shape) { return 
   PAGEDLLM_API void decode_layers_##SUFFIX(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* shape, \
                                            T* residual, T* out, T* workspace, const void* final_norm,              \
                                            const int64_t* positions, const int64_t* rows, const int64_t* seq_lens,  \
-                                           int64_t m) {                                                             \
+                                           int64_t m, int64_t split_requests) {                                     \
     pagedllm::decode_layers<T, Kernels_##SUFFIX>(layers, num_layers, *shape, residual, out, workspace, final_norm,  \
-                                                 positions, rows, seq_lens, m);                                     \
+                                                 positions, rows, seq_lens, m, split_requests);                     \
   }
 
 PAGEDLLM_DECODE_LAYERS(f32, float)
