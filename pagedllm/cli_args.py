@@ -39,8 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False, servin
         if kind == "bool":
             off = f.metadata["off_flag"]
             if f.default:  # on by default: the flag that turns it off, and the plain one for clarity
-                g.add_argument(flag, dest=f.name, action="store_true", default=True, help=help_text)
-                g.add_argument(off, dest=f.name, action="store_false", help=f"turn {flag} off")
+                on_by_default = help_text if "(default: on" in help_text else f"{help_text} (default: on)"
+                g.add_argument(flag, dest=f.name, action="store_true", default=True, help=on_by_default)
+                g.add_argument(off, dest=f.name, action="store_false", help=f"turn {flag} off (it is on by default)")
             else:
                 g.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_text)
             continue

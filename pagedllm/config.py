@@ -141,8 +141,8 @@ class EngineConfig:
     # suite holds many engines of the default 4 GiB at once, which committed would not fit its machine.
     commit_kv_cache: bool = setting(
         os.environ.get("PAGEDLLM_COMMIT_KV_CACHE", "1") != "0",
-        "write the CPU KV cache's pages at start, so the OS commits its memory then and not in the steps "
-        "that first use each block (a cache the machine cannot hold fails at start); off: committed as used "
+        "have the OS back the CPU KV cache's pages in the background from start (without writing them), so "
+        "that the steps that first use each block do not take its page faults; off: committed as used "
         "(default: on, unless PAGEDLLM_COMMIT_KV_CACHE=0)",
         kind="bool",
         off_flag="--no-commit-kv-cache",
@@ -186,9 +186,9 @@ class EngineConfig:
     speculative_exact: bool = setting(
         True,
         "drafts never take a step's rows past a row count where the model's kernels change, so greedy output "
-        "is token-identical to speculation off; false lets them, which verifies more drafts where a few-row "
-        "kernel stops early (bfloat16 weights with AMX: 2 rows) at the price of last-bit differences that can "
-        "flip near-ties (docs/speculative.md)",
+        "is token-identical to speculation off; --no-speculative-exact lets them, which verifies more drafts "
+        "where a few-row kernel stops early (bfloat16 weights with AMX: 2 rows) at the price of last-bit "
+        "differences that can flip near-ties (docs/speculative.md)",
         kind="bool",
         off_flag="--no-speculative-exact",
     )

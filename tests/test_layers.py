@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
 # Lowest first.  A unit is a subpackage (core, layers, ...) or a top-level module (config, engine,
 # ...).  A unit may import units of a lower rank only; units of one rank do not import each other.
 RANKS: list[set[str]] = [
-    {"core", "cache_dir", "errors"},  # requests, blocks, scheduling; where caches live; model-file errors
+    {"core", "cache_dir", "errors", "child_process"},  # requests, blocks, scheduling; caches; errors; child env
     {"text", "config", "layers"},  # tokenizer; engine settings; kernels and layer math
     {"models"},  # architectures built from layers
     {"execution"},  # a step's tensors, the model on its device, sampling

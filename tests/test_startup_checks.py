@@ -54,3 +54,13 @@ def test_a_cache_smaller_than_one_request_lowers_the_default_or_refuses_an_expli
 def test_format_bytes():
     assert format_bytes(3 * GiB / 2) == "1.5 GiB"
     assert format_bytes(512) == "512 bytes"
+
+
+def test_the_default_cpu_kv_cache_is_4_gib_or_half_of_what_the_weights_leave_free():
+    from pagedllm.execution.startup_checks import default_cpu_kv_cache_memory
+
+    gib = 2**30
+    assert default_cpu_kv_cache_memory(20 * gib, 1 * gib) == 4 * gib
+    assert default_cpu_kv_cache_memory(5 * gib, 1 * gib) == 2 * gib
+    assert default_cpu_kv_cache_memory(1 * gib, 1 * gib) == 256 * 2**20  # the load check then says what fits
+    assert default_cpu_kv_cache_memory(None, 1 * gib) == 4 * gib  # MemAvailable unknown

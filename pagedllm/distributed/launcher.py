@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedllm.child_process import child_environment
 from pagedllm.config import EngineConfig
 from pagedllm.core.step_message import shutdown_message
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -162,7 +163,7 @@ class WorkerGroup:
         for rank in range(1, size):
             command = [sys.executable, "-m", "pagedllm.distributed.worker", "--rank", str(rank)]
             command += ["--store", f"127.0.0.1:{self._store.port}", "--config", payload]
-            self.processes[rank] = subprocess.Popen(command)
+            self.processes[rank] = subprocess.Popen(command, env=child_environment())  # the same package
         torch.set_num_threads(threads_per_rank(self.config))
 
     def connect(self) -> None:

@@ -22,6 +22,7 @@ from pagedllm.execution.startup_checks import (
     check_kv_cache_memory,
     check_load_memory,
     check_max_model_len,
+    default_cpu_kv_cache_memory,
     fit_max_model_len,
     format_bytes,
 )
@@ -127,18 +128,22 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
         free, total = torch.cuda.mem_get_info(device)
         in_use_at_start = total - free  # the CUDA context and other processes
     kv_budget = config.kv_cache_memory
+    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
+    native = use_native_weights(config, path, device, tp, ops)
     if not on_cuda:
         keep_freed_memory()
-        kv_budget = kv_budget or DEFAULT_CPU_KV_CACHE_MEMORY
+        if kv_budget is None and tp.size > 1:  # every rank must size the same cache: no per-rank reading
+            kv_budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        elif kv_budget is None:
+            needed = weight_memory_needed(path, native, config.max_model_len)
+            kv_budget = default_cpu_kv_cache_memory(available_memory_bytes(), needed)
         # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
         # (possibly on other machines) each check their own share.
         if config.distributed_init_method is not None:
             check_kv_cache_memory(kv_budget // tp.size, available_memory_bytes())
         elif tp.rank == 0:
             check_kv_cache_memory(kv_budget, available_memory_bytes())
-    # The fused elementwise kernels come with the C++ attention kernels (attention auto or cpp).
-    ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
-    native = use_native_weights(config, path, device, tp, ops)
+    # (The fused elementwise kernels come with the C++ attention kernels: attention auto or cpp.)
     if not on_cuda and tp.rank == 0:
         needed = weight_memory_needed(path, native, config.max_model_len)
         check_load_memory(needed, kv_budget // tp.size, available_memory_bytes())

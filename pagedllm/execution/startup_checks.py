@@ -123,6 +123,17 @@ def fit_max_model_len(max_model_len: int, explicit: bool, num_blocks: int, block
 # --- devices -------------------------------------------------------------------------
 #
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30
+MIN_DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 2**20
+DEFAULT_KV_SHARE_OF_FREE = 0.5  # of what the machine has available once the weights are in
+
+
+def default_cpu_kv_cache_memory(available: int | None, weights: int) -> int:
+    """The CPU KV cache when none is asked for: 4 GiB, or half of what the machine has free after
+    the weights where that is less (at least 256 MiB; a machine with less fails the load check)."""
+    if available is None:
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+    half_of_free = int((available - weights) * DEFAULT_KV_SHARE_OF_FREE) // 2**20 * 2**20
+    return max(MIN_DEFAULT_CPU_KV_CACHE_MEMORY, min(DEFAULT_CPU_KV_CACHE_MEMORY, half_of_free))
 
 
 @dataclass(frozen=True)

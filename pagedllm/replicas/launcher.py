@@ -18,9 +18,8 @@ node's address (the one Ray reports), which the front-end must reach.  Either wa
 replica's /v1 routes require a key only the front-end holds (the front-end's own API key, or
 a random one when it has none), so a client cannot go around the front-end.
 
-A replica's server runs the same pagedllm package as the actor that starts it (its folder
-leads PYTHONPATH): a folder named `pagedllm` in the working directory, such as a clone seen
-from its parent, would otherwise be imported in its place.
+A replica's server runs the same pagedllm package as the actor that starts it
+(pagedllm/child_process.py).
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
+
+from pagedllm.child_process import child_environment
 
 _PR_SET_PDEATHSIG = 1
 
@@ -76,9 +76,7 @@ class ReplicaServer:
         self._start_error: str | None = None
         command = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--kv-events"]
         command += ["--host", self.host, "--port", str(self.port), "--num-threads", str(cores)]
-        package_parent = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PAGEDLLM_API_KEY=api_key)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
+        env = child_environment(PAGEDLLM_API_KEY=api_key)
 
         def prepare() -> None:
             _die_with_parent()
