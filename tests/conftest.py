@@ -144,16 +144,17 @@ def llm_factory():
     """Yields make(**engine_args) -> a float32 SmolLM2 engine (weights dequantized and a float32 KV
     cache unless given), shared between tests with the same arguments; on exit, every KV block of
     those engines must be free."""
-    used: list[LLM] = []
+    used: list[weakref.ref] = []  # weak: a released shared engine is freed, not kept for this check
 
     def make(**kwargs) -> LLM:
         llm = _llm(**kwargs)
-        used.append(llm)
+        used.append(weakref.ref(llm))
         return llm
 
     yield make
-    for llm in used:
-        assert_no_blocks_held(llm)
+    for ref in used:
+        if (llm := ref()) is not None:
+            assert_no_blocks_held(llm)
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def test_a_taken_port_is_a_one_line_error_before_the_model_loads():
 def test_sigterm_drains_a_running_stream_then_exits_zero():
     process, url = start_server("--shutdown-timeout", "60")
     try:
-        thread, result = stream_in_background(url, 60)
+        thread, result = stream_in_background(url, 400)  # a few seconds: still running while the drain is probed
         wait_for_chunks(result, 5)
         process.send_signal(signal.SIGTERM)
         time.sleep(0.5)

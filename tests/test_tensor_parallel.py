@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_no_blocks_held
+from conftest import assert_no_blocks_held, release_shared_engines
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.launcher import WorkerDiedError
@@ -148,6 +148,7 @@ def test_smollm2_tp3_greedy_matches_one_rank(make_llm):
     """The real model (9 heads, 3 KV heads): one KV head per rank; float32 greedy tokens identical."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     expected = make_llm().generate(prompts, greedy(24))
+    release_shared_engines()  # three ranks' processes beside this one: nothing else held
     # A small cache: the default (4 GiB) depends on how much memory the session's other engines left.
     with LLM(dtype="float32", tensor_parallel_size=3, kv_cache_memory="512MiB") as llm:
         outputs = llm.generate(prompts, greedy(24))
