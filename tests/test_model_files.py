@@ -273,10 +273,51 @@ def _assert_refused(result: subprocess.CompletedProcess, expected: str) -> None:
     assert not result.stdout.strip(), result.stdout  # nothing generated
 
 
+# Runs `pagedllm generate` once a path in one process (the CLI's own `main`, as the command
+# runs it), printing each run's exit code, stderr and stdout as a JSON line: one torch import for
+# many files.  Each run starts from the CLI's entry as a new process would; a fault that got past
+# the checks and corrupted the process would show in the runs after it.
+_DRIVER = """
+import contextlib, io, json, sys
+from pagedllm.cli import main
+for path in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["generate", "Hello", "--model", path, "--max-tokens", "4", "--kv-cache-memory", "64MiB",
+                         "--log-level", "WARNING", *json.loads(sys.argv[2])])
+        except SystemExit as exit:
+            code = exit.code
+    print(json.dumps([code, err.getvalue(), out.getvalue()]), flush=True)
+"""
+
+
+def _run_many(paths: list[Path], *extra: str) -> list[subprocess.CompletedProcess]:
+    """`_run` for each path, in one subprocess under the same limits (a line of JSON each)."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_DEBUG"}
+    command = [sys.executable, "-c", _DRIVER, json.dumps([str(p) for p in paths]), json.dumps(list(extra))]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT_S + 5 * len(paths), preexec_fn=limit_memory,
+        env=env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert done.returncode == 0 and len(lines) == len(paths), (done.returncode, done.stderr[-3000:])
+    runs = [json.loads(line) for line in lines]
+    return [subprocess.CompletedProcess(path, code, out, err) for path, (code, err, out) in zip(paths, runs)]
+
+
 def _assert_all_refused(cases: dict[str, tuple[Path, str]], *extra: str) -> None:
-    """Each case (path, words its error must hold) run two at a time; every failure listed at once."""
+    """Each case (path, words its error must hold) run through the CLI, the cases split between two
+    processes; every failure listed at once."""
+    paths = [path for path, _ in cases.values()]
+    halves = [paths[: len(paths) // 2], paths[len(paths) // 2 :]]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(cases, pool.map(lambda path: _run(path, *extra), [p for p, _ in cases.values()])))
+        runs = [run for half in pool.map(lambda half: _run_many(half, *extra) if half else [], halves) for run in half]
+    results = dict(zip(cases, runs))
     failures = []
     for name, result in results.items():
         try:
