@@ -69,10 +69,14 @@ class ReplicaServer:
 
     def __init__(
         self, index: int, serve_args: list[str], cores: int, pin: list[int] | None, start_timeout: float,
-        bind_host: str, api_key: str,
+        bind_host: str, api_key: str, exit_with_child: bool = True, wait: bool = True,
     ) -> None:  # fmt: skip
+        """Starts the server; with `wait`, returns once it answers /health or has failed (else call
+        `wait_until_ready`).  The server gets SIGKILL when the thread that started it ends, so
+        that thread must live as long as the server should."""
         self.index, self.port = index, free_port()
         self.host = bind_host if bind_host != "0.0.0.0" else node_address()
+        self.start_timeout = start_timeout
         self._start_error: str | None = None
         command = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--kv-events"]
         command += ["--host", self.host, "--port", str(self.port), "--num-threads", str(cores)]
@@ -87,23 +91,31 @@ class ReplicaServer:
             command, preexec_fn=prepare, env=env, stderr=subprocess.PIPE, text=True, errors="replace"
         )
         self._last_lines: collections.deque[str] = collections.deque(maxlen=20)
-        copier = threading.Thread(target=self._copy_stderr, daemon=True)
-        copier.start()
-        deadline = time.monotonic() + start_timeout
+        self._copier = threading.Thread(target=self._copy_stderr, daemon=True)
+        self._copier.start()
+        if wait:
+            self.wait_until_ready()
+            if exit_with_child and self._start_error is None:  # a Ray actor: it dies with its server
+                threading.Thread(target=self._exit_with_child, daemon=True).start()
+
+    def wait_until_ready(self) -> None:
+        """Until the server answers /health; else `start_error()` says why it did not."""
+        deadline = time.monotonic() + self.start_timeout
         while not self._healthy():
             if self.process.poll() is not None:
-                copier.join(timeout=2.0)  # the server's last lines, up to its end of stderr
+                self._copier.join(timeout=2.0)  # the server's last lines, up to its end of stderr
                 self._start_error = (
-                    f"replica {index}'s server exited with {self.process.returncode} while starting: "
+                    f"replica {self.index}'s server exited with {self.process.returncode} while starting: "
                     f"{self._last_error()}"
                 )
                 return
             if time.monotonic() > deadline:
                 self.process.kill()
-                self._start_error = f"replica {index}'s server did not answer /health within {start_timeout:.0f} s"
+                self._start_error = (
+                    f"replica {self.index}'s server did not answer /health within {self.start_timeout:.0f} s"
+                )
                 return
             time.sleep(0.2)
-        threading.Thread(target=self._exit_with_child, daemon=True).start()
 
     def _copy_stderr(self) -> None:
         for line in self.process.stderr:
@@ -164,35 +176,31 @@ def start_replicas(
     cores: int | None = None,
     start_timeout: float = 600.0,
     api_key: str | None = None,
-) -> ReplicaSet:
-    """Start `num_replicas` replicas (local Ray instance unless `ray_address`) and wait until each
-    answers /health; `cores` per replica (default: this machine's cores split evenly).  Their /v1
-    routes require `api_key` (the front-end sends it).  A replica that cannot start raises
-    ValueError with its server's own last error."""
+):
+    """Start `num_replicas` replicas and wait until each answers /health: on this machine as its
+    own child processes (pagedllm/replicas/local.py; no Ray, nothing listening beyond 127.0.0.1),
+    or on the Ray cluster at `ray_address`.  `cores` per replica (default: this machine's cores
+    split evenly).  Their /v1 routes require `api_key` (the front-end sends it).  A replica that
+    cannot start raises ValueError with its server's own last error."""
+    if ray_address is None:
+        from pagedllm.replicas.local import LocalReplicas
+
+        return LocalReplicas(serve_args, num_replicas, cores, start_timeout, api_key or "")
     try:
         import ray
     except ImportError as error:
         raise ValueError("--data-parallel-size and --ray-address need Ray: pip install 'ray>=2.40'") from error
 
-    local = ray_address is None
     machine_cores = len(os.sched_getaffinity(0))
     cores = cores or max(1, machine_cores // num_replicas)
     if not ray.is_initialized():
-        if local:  # loopback only, token authentication on (unless RAY_AUTH_MODE says otherwise), no dashboard
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-            ray.init(
-                num_cpus=max(machine_cores, cores * num_replicas), include_dashboard=False, log_to_driver=True,
-                _node_ip_address="127.0.0.1",
-            )  # fmt: skip
-        else:
-            ray.init(address=ray_address, log_to_driver=True)
-    bind_host = "127.0.0.1" if local else "0.0.0.0"  # 0.0.0.0: the node's own address, as Ray reports it
+        ray.init(address=ray_address, log_to_driver=True)
+    bind_host = "0.0.0.0"  # meaning the node's own address, as Ray reports it
     actor_class = ray.remote(num_cpus=cores, max_restarts=-1, max_task_retries=-1)(ReplicaServer)
-    all_cores = sorted(os.sched_getaffinity(0))
-    actors = []
-    for i in range(num_replicas):
-        pin = all_cores[i * cores : (i + 1) * cores] if local and (i + 1) * cores <= len(all_cores) else None
-        actors.append(actor_class.remote(i, serve_args, cores, pin, start_timeout, bind_host, api_key or ""))
+    actors = [
+        actor_class.remote(i, serve_args, cores, None, start_timeout, bind_host, api_key or "")
+        for i in range(num_replicas)
+    ]
     try:  # every replica up, or the first one's own error
         errors = ray.get([actor.start_error.remote() for actor in actors], timeout=start_timeout + 60)
     except ray.exceptions.GetTimeoutError as error:

@@ -1,4 +1,5 @@
-"""`pagedllm serve --data-parallel-size N`: N replicas on Ray and the front-end before them."""
+"""`pagedllm serve --data-parallel-size N`: N replicas (this machine's child processes, or on a
+Ray cluster with --ray-address) and the front-end before them."""
 
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ def serve_data_parallel(args: argparse.Namespace, serve_argv: list[str], block_s
     n = args.data_parallel_size
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     replica_key = api_key or secrets.token_urlsafe(32)  # the replicas answer only the front-end
-    where = "127.0.0.1" if args.ray_address is None else "each node's address"
-    logger.info("starting %d replicas on Ray (%s), listening on %s", n, args.ray_address or "a local instance", where)
+    if args.ray_address is None:
+        logger.info("starting %d replicas as child processes, listening on 127.0.0.1", n)
+    else:
+        logger.info("starting %d replicas on the Ray cluster at %s, each on its node's address", n, args.ray_address)
     replicas = start_replicas(replica_args(serve_argv), n, args.ray_address, api_key=replica_key)
     try:
         router = Router(n, block_size, args.router)

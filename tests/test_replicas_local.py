@@ -1,0 +1,85 @@
+"""`pagedllm serve --data-parallel-size 2` on one machine, as a user starts it from the folder that
+holds a clone: the replicas are the front-end's child processes (no Ray), listen on 127.0.0.1
+only and require the front-end's API key, a replica killed is started
+again, and a stop leaves no replica behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+
+from pagedllm.testing.servers import MODEL, free_port, wait_healthy
+
+API_KEY = "front-end-key"
+
+
+def listening_hosts(port: int) -> list[str]:
+    """The IPv4 addresses a TCP socket listens on at `port` (from /proc/net/tcp; 0.0.0.0: all)."""
+    hosts = []
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                hosts.append(".".join(str(b) for b in reversed(bytes.fromhex(ip))))
+    return hosts
+
+
+def children_of(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+def test_local_replicas_listen_on_loopback_answer_only_the_front_end_and_come_back(tmp_path):
+    (tmp_path / "pagedllm" / "pagedllm").mkdir(parents=True)  # a clone, seen from its parent folder
+    port = free_port()
+    command = [shutil.which("pagedllm") or "pagedllm", "serve", "--data-parallel-size", "2", "--port", str(port),
+               "--kv-cache-memory", "128MiB", "--api-key", API_KEY]  # fmt: skip
+    process = subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=180, process=process)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
+            temperature=0,
+        )  # fmt: skip
+        assert "Paris" in reply.choices[0].message.content
+        wrong = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert wrong.status_code == 401  # the front-end checks the client's key itself
+
+        addresses = httpx.get(url + "/stats").json()["router"]["addresses"]
+        assert listening_hosts(port) == ["127.0.0.1"]
+        for address in addresses:
+            replica_port = int(address.rsplit(":", 1)[1])
+            assert address.startswith("http://127.0.0.1:") and listening_hosts(replica_port) == ["127.0.0.1"]
+            direct = httpx.post(address + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert direct.status_code == 401, direct.text  # the replicas require the front-end's key too
+
+        replicas = children_of(process.pid)
+        assert len(replicas) == 2
+        os.kill(replicas[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").json()["replicas"] != ["up", "up"] or replicas[0] in children_of(process.pid):
+            assert time.monotonic() < deadline, "the killed replica did not come back"
+            time.sleep(0.5)
+        assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].text is not None
+
+        replicas = children_of(process.pid)  # the one started again in place of the killed one
+        assert len(replicas) == 2
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+        survivors = [pid for pid in replicas if os.path.exists(f"/proc/{pid}")]
+        assert not survivors, f"replica servers left running: {survivors}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        stderr = process.communicate()[1]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "replica 0's server exited" in stderr or "replica 1's server exited" in stderr
