@@ -18,7 +18,7 @@ import pytest
 
 from pagedllm.replicas.frontend import labelled, sum_numbers
 from pagedllm.replicas.serve import replica_args
-from pagedllm.testing.servers import MODEL, free_port, wait_healthy
+from pagedllm.testing.servers import MODEL, free_port, listening_hosts, wait_healthy
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -172,18 +172,6 @@ def test_a_replica_killed_mid_run_loses_no_request(frontend, cluster):
         assert time.monotonic() < deadline, f"blocks still held: {used}"
         time.sleep(0.2)
     assert oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].text is not None
-
-
-def listening_hosts(port: int) -> list[str]:
-    """The IPv4 addresses a TCP socket listens on at `port` (from /proc/net/tcp; 0.0.0.0: all)."""
-    hosts = []
-    with open("/proc/net/tcp") as table:
-        for line in list(table)[1:]:
-            local, state = line.split()[1], line.split()[3]
-            ip, port_hex = local.split(":")
-            if state == "0A" and int(port_hex, 16) == port:
-                hosts.append(".".join(str(b) for b in reversed(bytes.fromhex(ip))))
-    return hosts
 
 
 def _server_pid(address: str) -> int:

@@ -18,6 +18,18 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key"
 
 
+def listening_hosts(port: int) -> list[str]:
+    """The IPv4 addresses a TCP socket listens on at `port` (from /proc/net/tcp; 0.0.0.0: all)."""
+    hosts = []
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                hosts.append(".".join(str(b) for b in reversed(bytes.fromhex(ip))))
+    return hosts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
