@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,12 +117,22 @@ def tiny4_reference(tiny4):
     return prompts, outputs, logits
 
 
+def listening_addresses(pids: list[int]) -> list[str]:
+    """host:port of every TCP socket these processes listen on (`ss`, its owner column)."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    owned = [line for line in lines if any(f"pid={pid}," in line for pid in pids)]
+    return [line.split()[3] for line in owned]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
 @pytest.mark.parametrize("size", [2, 4])
 def test_tiny_llama_tp_matches_one_rank(tiny4, tiny4_reference, size):
     """TP=2 splits the 4 KV heads two per rank, TP=4 one per rank: same tokens, logits within 1e-4."""
     prompts, expected, expected_logits = tiny4_reference
     with LLM(tiny4, tensor_parallel_size=size, **TINY_ARGS) as llm:
         memory = llm.engine.rank_memory
+        pids = [os.getpid(), *(p.pid for p in llm.engine.workers.processes.values())]
+        assert listening_addresses(pids) and all(a.startswith("127.0.0.1:") for a in listening_addresses(pids))
         outputs, logits = run_recording_logits(llm, prompts, greedy(20))
         assert llm.engine.runner.step_message_bytes > 0
         assert_no_blocks_held(llm)

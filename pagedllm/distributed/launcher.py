@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -158,11 +159,18 @@ class WorkerGroup:
                 torch.set_num_threads(self.config.num_threads)
             return  # the launcher started the other ranks
         size = self.tp.size
-        self._store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        # Every rank is on this machine: the store listens on a socket bound to loopback (TCPStore
+        # alone listens on every interface), and gloo's connections use the loopback interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(  # the store owns the socket from here (detach: never closed twice)
+            "127.0.0.1", port, size, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+        )
         payload = json.dumps(asdict(self.config))
         for rank in range(1, size):
             command = [sys.executable, "-m", "pagedllm.distributed.worker", "--rank", str(rank)]
-            command += ["--store", f"127.0.0.1:{self._store.port}", "--config", payload]
+            command += ["--store", f"127.0.0.1:{port}", "--config", payload]
             self.processes[rank] = subprocess.Popen(command, env=child_environment())  # the same package
         torch.set_num_threads(threads_per_rank(self.config))
 
