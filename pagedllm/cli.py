@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ray-address",
         default=None,
-        help="place the replicas on this Ray cluster (auto, or HOST:PORT) instead of a local Ray instance",
+        help="place the replicas on this Ray cluster (auto, or HOST:PORT) instead of this machine's child processes",
     )
     p.add_argument(
         "--router",

@@ -1,4 +1,4 @@
-"""Engine replicas placed, watched and restarted by Ray.
+"""Engine replicas placed, watched and restarted by Ray (and the replica server both paths use).
 
 Each replica is a Ray actor whose process runs `pagedllm serve` (with `--kv-events`) as its
 child, on a port of its node, with `cores` threads.  The child is tied to the actor: it
@@ -7,16 +7,13 @@ child does, so a replica lost either way is one dead actor, which Ray starts aga
 (`max_restarts=-1`) on a node with room; the front-end finds its new address through
 `address()`.
 
-On one machine (no `--ray-address`) Ray starts a local instance with the machine's cores,
-and each of N replicas gets cores // N of them (at least 1), pinned to its own cores
-(taskset-style affinity), so replicas do not compete for a core.  On a cluster each replica
-asks Ray for `cores` CPUs and runs that many threads; Ray picks the node.
+This is the `--ray-address` path: on one machine the replicas are plain child processes of the
+front-end instead (pagedllm/replicas/local.py), built from the same `ReplicaServer`.  On a
+cluster each replica asks Ray for `cores` CPUs and runs that many threads; Ray picks the node.
 
-Exposure: on one machine the replicas and Ray's own services listen on 127.0.0.1 only, Ray
-with its token authentication on and no dashboard.  On a cluster a replica listens on its
-node's address (the one Ray reports), which the front-end must reach.  Either way every
-replica's /v1 routes require a key only the front-end holds (the front-end's own API key, or
-a random one when it has none), so a client cannot go around the front-end.
+Exposure: a replica listens on its node's address (the one Ray reports), which the front-end
+must reach, and its /v1 routes require the front-end's key (its own API key, or a random one
+when it has none), so a client cannot go around the front-end.
 
 A replica's server runs the same pagedllm package as the actor that starts it
 (pagedllm/child_process.py).
