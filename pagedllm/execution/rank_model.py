@@ -130,13 +130,14 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
     kv_budget = config.kv_cache_memory
     ops = select_ops("auto" if config.attention in ("auto", "cpp") else "torch", dtype, device)
     native = use_native_weights(config, path, device, tp, ops)
+    # The weights' lower bound (from the checked header): sizes the default cache and the load check.
+    weights_needed = weight_memory_needed(path, native, config.max_model_len) if not on_cuda else 0
     if not on_cuda:
         keep_freed_memory()
         if kv_budget is None and tp.size > 1:  # every rank must size the same cache: no per-rank reading
             kv_budget = DEFAULT_CPU_KV_CACHE_MEMORY
         elif kv_budget is None:
-            needed = weight_memory_needed(path, native, config.max_model_len)
-            kv_budget = default_cpu_kv_cache_memory(available_memory_bytes(), needed)
+            kv_budget = default_cpu_kv_cache_memory(available_memory_bytes(), weights_needed)
         # Spawned ranks share this machine, so rank 0 checks the whole budget; launched ranks
         # (possibly on other machines) each check their own share.
         if config.distributed_init_method is not None:
@@ -145,8 +146,7 @@ def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:
             check_kv_cache_memory(kv_budget, available_memory_bytes())
     # (The fused elementwise kernels come with the C++ attention kernels: attention auto or cpp.)
     if not on_cuda and tp.rank == 0:
-        needed = weight_memory_needed(path, native, config.max_model_len)
-        check_load_memory(needed, kv_budget // tp.size, available_memory_bytes())
+        check_load_memory(weights_needed, kv_budget // tp.size, available_memory_bytes())
     model_config, weights = load_weights(path, keep_quantized=native)
     check_tensor_parallel_size(model_config, tp.size)
     max_model_len = check_max_model_len(config.max_model_len, model_config.context_length)

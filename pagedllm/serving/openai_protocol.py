@@ -88,7 +88,10 @@ def unknown_fields(value: Any, where: str = "") -> list[tuple[str, str, list[str
 
 
 def refuse_unknown_fields(request: Body) -> None:
-    for path, name, declared in unknown_fields(request)[:1]:
+    """A 400 naming the first undeclared field, with the declared name it is closest to."""
+    found = unknown_fields(request)
+    if found:
+        path, name, declared = found[0]
         close = difflib.get_close_matches(name, declared, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise bad_request(
