@@ -93,10 +93,11 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
     "decode_layers": ([_P, _I] + [_P] * 8 + [_I, _I], _F32 + _BF16 + _F16KV + _F8KV),
-    "quant_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _F32 + _BF16),
-    "dequantize_rows": ([_P] * 3 + [_I] * 5 + [_P, _I, _P], _F32 + _BF16),
-    "quant_amx_gemm": ([_P] * 2 + [_I] * 4 + [_P] * 3 + [_I] * 3, _BF16),  # a no-op unless `quant_amx`
-    "dequantize_blocked": ([_P] * 3 + [_I] * 5 + [_P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
+    # quantized weights: a pointer to csrc/quant_layout.h's QuantWeight (PackedWeight.struct)
+    "quant_gemm": ([_P, _P, _I, _I, _P], _F32 + _BF16),
+    "dequantize_rows": ([_P, _P, _I, _P], _F32 + _BF16),
+    "quant_amx_gemm": ([_P, _P, _I, _I, _P], _BF16),  # a no-op unless `quant_amx`
+    "dequantize_blocked": ([_P, _P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
 }
 _SUFFIX = {
     torch.float32: "f32",
@@ -547,16 +548,14 @@ class CpuKernels:
         self._quant_gemm("quant_gemm", x, w, out, col)
 
     def _quant_gemm(self, name: str, x: torch.Tensor, w, out: torch.Tensor, col: int) -> None:
-        _check(x, out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        _check(x, out, *w.tensors())
         _check_packed(name, w, self.quant_panel_width)
         _require(name, x.dim() == 2 and out.dim() == 2 and col >= 0, "x [m, k] and out [m, n]", x=x, out=out)
         m, k = x.shape
         if k != w.cols or out.dtype != x.dtype or out.shape[0] != m or out.shape[1] < col + w.rows:
             raise ValueError(f"quant_gemm: x {tuple(x.shape)}, weight [{w.rows}, {w.cols}], out {tuple(out.shape)}")
-        mins = None if w.mins is None else _ptr(w.mins)
-        fn = self._fn(name, x.dtype)
         y = _ptr(out) + col * out.element_size()
-        fn(_ptr(x), y, m, w.rows, k, out.shape[1], _ptr(w.qs), _ptr(w.scales), mins, w.bits, w.group, w.zero)
+        self._fn(name, x.dtype)(_ptr(x), y, m, out.shape[1], ctypes.addressof(w.struct))
 
     def quant_amx_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:
         """`quant_gemm` on AMX tiles, for bfloat16 x where `quant_amx` (csrc/quant_amx.cpp)."""
@@ -570,15 +569,12 @@ class CpuKernels:
         if not self.dequantize_blocked_bf16 or w.rows % 32:
             raise ValueError(f"dequantize_blocked: [{w.rows}, {w.cols}] on a build without it or rows not of 32")
         _check_packed("dequantize_blocked", w, self.quant_panel_width)
-        self._fn("dequantize_blocked", torch.bfloat16)(
-            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.zero, w.rows,
-            w.cols, out,
-        )  # fmt: skip
+        self._fn("dequantize_blocked", torch.bfloat16)(ctypes.addressof(w.struct), out)
 
     def dequantize_rows(self, w, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64, each in range) of a PackedWeight into `out` [len(ids), cols] (float32
         or bfloat16); returns out."""
-        _check(out, ids, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        _check(out, ids, *w.tensors())
         _check_packed("dequantize_rows", w, self.quant_panel_width)
         _index("dequantize_rows", "ids", ids, None)
         if tuple(out.shape) != (ids.shape[0], w.cols) or out.dtype not in (torch.float32, torch.bfloat16):
@@ -589,17 +585,14 @@ class CpuKernels:
 
     def dequantize_transposed(self, w, out: torch.Tensor, col: int = 0) -> None:
         """out[:, col : col + w.rows] = W^T for a PackedWeight W [rows, cols]; out [cols, >= col + rows]."""
-        _check(out, w.qs, w.scales, *(() if w.mins is None else (w.mins,)))
+        _check(out, *w.tensors())
         _check_packed("dequantize_transposed", w, self.quant_panel_width)
         if out.dim() != 2 or col < 0 or out.shape[0] != w.cols or out.shape[1] < col + w.rows:
             raise ValueError(f"dequantize_transposed: out {tuple(out.shape)} for [{w.rows}, {w.cols}] at {col}")
         self._dequantize(w, None, out.shape[1], _ptr(out) + col * out.element_size(), out.dtype)
 
     def _dequantize(self, w, ids: int | None, count: int, out: int, dtype: torch.dtype) -> None:
-        self._fn("dequantize_rows", dtype)(
-            _ptr(w.qs), _ptr(w.scales), None if w.mins is None else _ptr(w.mins), w.bits, w.group, w.zero, w.rows,
-            w.cols, ids, count, out,
-        )  # fmt: skip
+        self._fn("dequantize_rows", dtype)(ctypes.addressof(w.struct), ids, count, out)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for float32 or bfloat16 x [rows, cols] (cols >= 1): the first index
@@ -714,28 +707,38 @@ _PACKED_CHECKED: dict[int, weakref.ref] = {}  # id -> a PackedWeight found consi
 
 
 def _check_packed(kernel: str, w, panel: int) -> None:
-    """A PackedWeight's tensors hold exactly what its rows, cols, bits and group say (once a weight)."""
+    """A PackedWeight's tensors hold exactly what its rows, cols, bits and groups say (once a weight)."""
     seen = _PACKED_CHECKED.get(id(w))
     if seen is not None and seen() is w:
         return
     panels = -(-w.rows // panel) if panel else 0
     expected_qs = (panels, w.cols * panel * w.bits // 8)
-    groups = w.cols // w.group if w.group in (16, 32) else -1
+    groups = w.cols // w.group if (w.bits, w.group) in ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32)) else -1
+    supers = w.cols // w.super_group if w.super_group > 0 and w.super_group % w.group == 0 else -1
+    two_level = w.super_group != w.group
+
+    def holds(t, dtype, per_row: int) -> bool:
+        return t.dtype == dtype and tuple(t.shape) == (panels, per_row, panel) and t.is_contiguous()
+
     ok = (
-        w.bits in (4, 5, 8)
-        and w.rows > 0
+        w.rows > 0
         and w.cols > 0
         and w.cols % 32 == 0
         and groups > 0
+        and supers > 0
+        and w.cols % w.super_group == 0
         and w.qs.dtype == torch.uint8
         and tuple(w.qs.shape) == expected_qs
-        and w.scales.dtype == torch.float32
-        and tuple(w.scales.shape) == (panels, groups, panel)
-        and (w.mins is None or (w.mins.dtype == torch.float32 and w.mins.shape == w.scales.shape))
+        and holds(w.scales, torch.float16, supers)
+        and (w.mins is None or holds(w.mins, torch.float16, supers))
+        and (w.sub_scales is not None) == two_level
+        and (w.sub_scales is None or holds(w.sub_scales, torch.int8, groups))
+        and (w.sub_mins is None or (w.mins is not None and two_level and holds(w.sub_mins, torch.int8, groups)))
+        and (w.mins is None or not two_level or w.sub_mins is not None)
     )
     _require(
         kernel, ok, f"a packed weight [{w.rows}, {w.cols}] of {w.bits} bits in groups of {w.group}, panels of {panel}",
-        qs=w.qs, scales=w.scales, mins=w.mins,
+        qs=w.qs, scales=w.scales, sub_scales=w.sub_scales, mins=w.mins, sub_mins=w.sub_mins,
     )  # fmt: skip
     if len(_PACKED_CHECKED) > 4096:
         _PACKED_CHECKED.clear()

@@ -34,18 +34,13 @@ import torch
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels, check_index_range
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantized import QuantizedLinear
+from pagedllm.layers.quantized import QuantizedLinear, QuantWeightStruct
 
 MAX_PARTS = 4  # csrc/decode_layers.cpp's kMaxParts
 
 
-class _QuantPart(ctypes.Structure):  # csrc/decode_layers.cpp's QuantPart
-    _fields_ = [(name, ctypes.c_void_p) for name in ("qs", "scales", "mins")]
-    _fields_ += [(name, ctypes.c_int64) for name in ("rows", "bits", "group", "zero")]
-
-
 class _Projection(ctypes.Structure):  # csrc/decode_layers.cpp's Projection
-    _fields_ = [("packed", ctypes.c_void_p), ("num_parts", ctypes.c_int64), ("parts", _QuantPart * MAX_PARTS)]
+    _fields_ = [("packed", ctypes.c_void_p), ("num_parts", ctypes.c_int64), ("parts", QuantWeightStruct * MAX_PARTS)]
 
 
 class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
@@ -67,10 +62,8 @@ def _projection(linear: Linear | QuantizedLinear) -> _Projection:
     p = _Projection()
     if isinstance(linear, QuantizedLinear):
         p.packed, p.num_parts = None, len(linear.parts)
-        for entry, w in zip(p.parts, linear.parts):
-            entry.qs, entry.scales = w.qs.data_ptr(), w.scales.data_ptr()
-            entry.mins = None if w.mins is None else w.mins.data_ptr()
-            entry.rows, entry.bits, entry.group, entry.zero = w.rows, w.bits, w.group, w.zero
+        for i, w in enumerate(linear.parts):
+            p.parts[i] = w.struct
     else:
         p.packed, p.num_parts = linear.small_weight.data_ptr(), 0
     return p

@@ -27,6 +27,7 @@ the one output.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -81,31 +82,58 @@ def lm_head_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
     return UNLIMITED_ROWS
 
 
+# (bits, group) pairs the kernels take: Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K, Q6_K, Q8_0 (and 8-bit in
+# groups of 16, kept for weights quantized that way).
+LAYOUTS = ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32))
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight [rows, cols] (cols a multiple of 32), row by row.  `qs` holds, per block of 32:
     4-bit, 16 bytes (byte i: value i in the low nibble, value i + 16 in the high one);
-    5-bit, 32 bytes of 0..31; 8-bit, 32 signed bytes."""
+    5- and 6-bit, 32 bytes of 0..31 or 0..63; 8-bit, 32 signed bytes.
+
+    Value = scale * (q - zero) + min for its group of `group` values.  Scales and mins are kept
+    as the file keeps them: `scales` (float16) per super-group of `super_group` values, times
+    `sub_scales` (int8) per group where given (the K types); `mins` and `sub_mins` likewise,
+    or None where every min is 0."""
 
     qs: torch.Tensor  # uint8 [rows, cols / 32 * block_bytes]
-    scales: torch.Tensor  # float32 [rows, cols / group]
-    mins: torch.Tensor | None  # float32 like scales, or None where every min is 0
-    bits: int  # 4, 5 or 8
-    group: int  # 16 or 32 values share a scale and min (16: 8-bit only)
-    zero: int  # the integer subtracted from q (Q4_0: 8, Q5_0: 16; 0 for 8-bit)
+    scales: torch.Tensor  # float16 [rows, cols / super_group]
+    sub_scales: torch.Tensor | None  # int8 [rows, cols / group], or None where super_group == group
+    mins: torch.Tensor | None  # float16 like scales
+    sub_mins: torch.Tensor | None  # int8 like sub_scales
+    bits: int  # 4, 5, 6 or 8
+    group: int  # values sharing a scale and min: 32, or 16 (6- and 8-bit)
+    zero: int  # the integer subtracted from q (Q4_0: 8, Q5_0: 16, Q6_K: 32; 0 for 8-bit)
     source: str  # the file's type it holds, e.g. "Q4_K"
+    super_group: int = 0  # values per entry of scales and mins; 0: the group
 
     def __post_init__(self) -> None:
+        if not self.super_group:
+            object.__setattr__(self, "super_group", self.group)
         rows = self.qs.shape[0]
-        if self.bits not in (4, 5, 8) or self.group not in (16, 32) or (self.bits != 8 and self.group != 32):
+        if (self.bits, self.group) not in LAYOUTS:
             raise ValueError(f"no quantized layout of {self.bits} bits in groups of {self.group}")
         if self.bits == 8 and self.zero:
             raise ValueError("8-bit values are signed and take no zero point")
+        if self.super_group % self.group or (self.super_group > self.group) != (self.sub_scales is not None):
+            raise ValueError(f"sub-scales are given exactly when super-groups ({self.super_group}) hold several groups")
         if self.qs.dtype != torch.uint8 or self.qs.dim() != 2 or self.qs.shape[1] % self.block_bytes:
             raise ValueError(f"quantized values must be uint8 whole blocks, got {self.qs.dtype} {tuple(self.qs.shape)}")
-        for t in (self.scales, self.mins):
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (rows, self.cols // self.group)):
-                raise ValueError(f"scales/mins must be float32 [{rows}, {self.cols // self.group}]")
+        if self.cols % self.super_group:
+            raise ValueError(f"rows of {self.cols} values do not hold whole super-groups of {self.super_group}")
+        supers, groups = (rows, self.cols // self.super_group), (rows, self.cols // self.group)
+        for name, t, dtype, shape in (
+            ("scales", self.scales, torch.float16, supers),
+            ("mins", self.mins, torch.float16, supers),
+            ("sub_scales", self.sub_scales, torch.int8, groups),
+            ("sub_mins", self.sub_mins, torch.int8, groups),
+        ):
+            if t is not None and (t.dtype != dtype or tuple(t.shape) != shape):
+                raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        if self.sub_mins is not None and (self.mins is None or self.sub_scales is None):
+            raise ValueError("sub-mins come with mins and sub-scales")
 
     @property
     def block_bytes(self) -> int:
@@ -122,7 +150,7 @@ class QuantizedWeight:
     @property
     def layout(self) -> tuple:
         """Weights with equal layouts stack into one (see `cat`)."""
-        return (self.bits, self.group, self.zero, self.mins is None, self.cols)
+        return (self.bits, self.group, self.super_group, self.zero, self.mins is None, self.sub_mins is None, self.cols)
 
     def values(self) -> torch.Tensor:
         """q as int16 [rows, cols], in k order."""
@@ -130,15 +158,26 @@ class QuantizedWeight:
         if self.bits == 4:
             blocks = self.qs.reshape(rows, -1, BLOCK // 2)
             return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(rows, cols).to(torch.int16)
-        if self.bits == 5:
+        if self.bits in (5, 6):
             return self.qs.to(torch.int16)
         return self.qs.view(torch.int8).to(torch.int16)
 
+    def group_scales(self) -> torch.Tensor:
+        """Each group's scale, float32 [rows, cols / group]."""
+        return _expand(self.scales, self.sub_scales, self.super_group // self.group)
+
+    def group_mins(self) -> torch.Tensor | None:
+        """Each group's min, float32 [rows, cols / group], or None."""
+        return None if self.mins is None else _expand(self.mins, self.sub_mins, self.super_group // self.group)
+
+    def _tensors(self) -> dict[str, torch.Tensor | None]:
+        return {"qs": self.qs, "scales": self.scales, "sub_scales": self.sub_scales, "mins": self.mins,
+                "sub_mins": self.sub_mins}  # fmt: skip
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows `index` in that order (a permutation, or a slice of the output features)."""
-        mins = None if self.mins is None else self.mins[index].contiguous()
-        qs, scales = self.qs[index].contiguous(), self.scales[index].contiguous()
-        return QuantizedWeight(qs, scales, mins, self.bits, self.group, self.zero, self.source)
+        picked = {name: None if t is None else t[index].contiguous() for name, t in self._tensors().items()}
+        return dataclasses.replace(self, **picked)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -146,39 +185,72 @@ class QuantizedWeight:
         first = parts[0]
         if any(p.layout != first.layout for p in parts):
             raise ValueError(f"cannot stack quantized weights of layouts {[p.layout for p in parts]}")
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-        qs, scales = torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts])
-        return QuantizedWeight(qs, scales, mins, first.bits, first.group, first.zero, first.source)
+        joined = {
+            name: None if t is None else torch.cat([p._tensors()[name] for p in parts])
+            for name, t in first._tensors().items()
+        }
+        return dataclasses.replace(first, **joined)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a float tensor, in torch (what weights=dequantized would hold; tests)."""
         rows, cols = self.shape
         q = (self.values() - self.zero).float()
-        groups = q.reshape(rows, -1, self.group) * self.scales.unsqueeze(-1)
-        if self.mins is not None:
-            groups = groups + self.mins.unsqueeze(-1)
+        groups = q.reshape(rows, -1, self.group) * self.group_scales().unsqueeze(-1)
+        mins = self.group_mins()
+        if mins is not None:
+            groups = groups + mins.unsqueeze(-1)
         return groups.reshape(rows, cols).to(dtype)
+
+
+def _expand(supers: torch.Tensor, subs: torch.Tensor | None, per_super: int) -> torch.Tensor:
+    """Per-group floats: each super-group's float16 repeated over its groups, times the int8s."""
+    values = supers.float().repeat_interleave(per_super, dim=1)
+    return values if subs is None else values * subs.float()
+
+
+class QuantWeightStruct(ctypes.Structure):  # csrc/quant_layout.h's QuantWeight
+    _fields_ = [(name, ctypes.c_void_p) for name in ("qs", "scales", "sub_scales", "mins", "sub_mins")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("rows", "cols", "bits", "group", "super_group", "zero")]
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A QuantizedWeight in the kernels' panel layout (csrc/quant_gemm.cpp): output columns in
-    panels of the build's width, a vector holding 4 consecutive k values of each column."""
+    panels of the build's width, a vector holding 4 consecutive k values of each column; scales,
+    sub-scales, mins and sub-mins as QuantizedWeight keeps them, [panels, per row, panel]."""
 
     qs: torch.Tensor  # uint8 [panels, bytes per panel]
-    scales: torch.Tensor  # float32 [panels, cols / group, panel]
-    mins: torch.Tensor | None
+    scales: torch.Tensor  # float16 [panels, cols / super_group, panel]
+    sub_scales: torch.Tensor | None  # int8 [panels, cols / group, panel]
+    mins: torch.Tensor | None  # like scales
+    sub_mins: torch.Tensor | None  # like sub_scales
     bits: int
     group: int
+    super_group: int
     zero: int
     rows: int
     cols: int
     source: str
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qs, self.scales, self.sub_scales, self.mins, self.sub_mins) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        tensors = [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @functools.cached_property
+    def struct(self) -> QuantWeightStruct:
+        """The C struct the kernels take (pointers into this weight's tensors, which it outlives
+        only as long as this object lives)."""
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        return QuantWeightStruct(
+            address(self.qs), address(self.scales), address(self.sub_scales), address(self.mins),
+            address(self.sub_mins), self.rows, self.cols, self.bits, self.group, self.super_group, self.zero,
+        )  # fmt: skip
 
 
 def pack(weight: QuantizedWeight, panel: int, unsigned8: bool) -> PackedWeight:
@@ -192,12 +264,9 @@ def pack(weight: QuantizedWeight, panel: int, unsigned8: bool) -> PackedWeight:
     if weight.bits == 8 and unsigned8:
         q, zero = q + 128, 128
     q = q.to(torch.uint8)  # 8-bit signed values keep their bits
-    scales, mins = weight.scales, weight.mins
     pad = panels * panel - rows
     if pad:
         q = torch.cat([q, q.new_zeros(pad, cols)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        mins = None if mins is None else torch.cat([mins, mins.new_zeros(pad, mins.shape[1])])
     # [panels, panel, blocks, 8 quads, 4] -> [panels, blocks, 8 quads, panel, 4]
     q = q.reshape(panels, panel, blocks, 8, 4).permute(0, 2, 3, 1, 4)
     if weight.bits == 8:
@@ -208,15 +277,23 @@ def pack(weight: QuantizedWeight, panel: int, unsigned8: bool) -> PackedWeight:
         if weight.bits == 5:  # byte (column, i): bit j is the fifth bit of value 4j + i
             fifth = (q >> 4).to(torch.int32) << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1, 1)
             parts.append(fifth.sum(dim=2).to(torch.uint8).reshape(panels, blocks, -1))
+        if weight.bits == 6:  # plane h's byte (column, i): bits 2j, 2j + 1 hold value 4(4h + j) + i's top pair
+            pairs = (q >> 4).to(torch.int32).reshape(panels, blocks, 2, 4, panel, 4)
+            pairs = pairs << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 1, 4, 1, 1)
+            parts.append(pairs.sum(dim=3).to(torch.uint8).reshape(panels, blocks, -1))
         qs = torch.cat(parts, dim=-1).reshape(panels, -1)
-    groups = scales.shape[1]
 
     def by_panel(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.reshape(panels, panel, groups).transpose(1, 2).contiguous()
+        if t is None:
+            return None
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+        return t.reshape(panels, panel, t.shape[1]).transpose(1, 2).contiguous()
 
     return PackedWeight(
-        qs.contiguous(), by_panel(scales), by_panel(mins), weight.bits, weight.group, zero, rows, cols, weight.source
-    )
+        qs.contiguous(), by_panel(weight.scales), by_panel(weight.sub_scales), by_panel(weight.mins),
+        by_panel(weight.sub_mins), weight.bits, weight.group, weight.super_group, zero, rows, cols, weight.source,
+    )  # fmt: skip
 
 
 class QuantizedLinear:

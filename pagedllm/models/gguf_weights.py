@@ -1,5 +1,6 @@
 """GGUF quantized tensors repacked, once at load, into the layout the quantized kernels read
-(pagedllm/layers/quantized.py): blocks of 32 values, each `scale * q + min`.
+(pagedllm/layers/quantized.py): blocks of 32 values, each `scale * (q - zero) + min`, the
+scales and mins kept as the file keeps them (float16, and the K types' int8 sub-scales).
 
 Each type's bytes are decoded here from the ggml block formats:
 - Q4_0 (d, 16 nibble bytes): value = d * (q - 8); Q4_1 (d, m, nibbles): d * q + m.
@@ -9,10 +10,12 @@ Each type's bytes are decoded here from the ggml block formats:
   and sub-mins packed in 12 bytes: value = d * sc * q - dmin * m per sub-block of 32.
 - Q6_K: super-blocks of 256, 16 signed 8-bit sub-scales (one per 16 values), d in float16:
   value = d * sc * (q - 32), q's low 4 bits and high 2 bits stored apart.
-Products such as d * sc are exact in float32, so the repacked values equal the file's.
+Nothing is rounded or widened: the repacked weight holds the file's numbers, in no more bytes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,8 +37,8 @@ NATIVE_TYPES = tuple(_BLOCK_SHAPES)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    """Two bytes per row, as a float32 column [blocks, 1]."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+    """Two bytes per row, as a float16 column [blocks, 1]."""
+    return np.ascontiguousarray(raw).view(np.float16)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -61,24 +64,35 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low_sc, low_m, nib = b[:, 0:4], b[:, 4:8], b[:, 8:12]
     sc = np.concatenate([low_sc & 0x3F, (nib & 0x0F) | ((low_sc >> 6) << 4)], axis=1)
     mn = np.concatenate([low_m & 0x3F, (nib >> 4) | ((low_m >> 6) << 4)], axis=1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc.astype(np.int8), mn.astype(np.int8)
 
 
-def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, int, np.ndarray, np.ndarray | None]:
-    """A type's blocks [count, bytes] -> (q [count * values / 32, 32] (uint8 for 4 and 5 bits,
-    int8 for 8), bits, zero point, scales [count, values / group], mins like scales or None)."""
+@dataclass
+class _Decoded:
+    q: np.ndarray  # [count * values / 32, 32]: uint8 for 4, 5 and 6 bits, int8 for 8
+    bits: int
+    zero: int
+    scales: np.ndarray  # float16 [count, values / super_group]
+    mins: np.ndarray | None = None  # float16 like scales
+    sub_scales: np.ndarray | None = None  # int8 [count, values / group]
+    sub_mins: np.ndarray | None = None
+    super_group: int = 32
+
+
+def _decode(blocks: np.ndarray, kind: str) -> _Decoded:
+    """A type's blocks [count, bytes], decoded as QuantizedWeight keeps them."""
     n = blocks.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         d = _f16(blocks[:, 0:2])
         q = _unpack_nibbles(blocks[:, -16:])
-        return (q, 4, 8, d, None) if kind == "Q4_0" else (q, 4, 0, d, _f16(blocks[:, 2:4]))
+        return _Decoded(q, 4, 8, d) if kind == "Q4_0" else _Decoded(q, 4, 0, d, _f16(blocks[:, 2:4]))
     if kind in ("Q5_0", "Q5_1"):
         d = _f16(blocks[:, 0:2])
         start = 2 if kind == "Q5_0" else 4
         q = _unpack_nibbles(blocks[:, -16:]) | (_high_bits(blocks[:, start : start + 4]) << 4)
-        return (q, 5, 16, d, None) if kind == "Q5_0" else (q, 5, 0, d, _f16(blocks[:, 2:4]))
+        return _Decoded(q, 5, 16, d) if kind == "Q5_0" else _Decoded(q, 5, 0, d, _f16(blocks[:, 2:4]))
     if kind == "Q8_0":
-        return blocks[:, 2:34].view(np.int8), 8, 0, _f16(blocks[:, 0:2]), None
+        return _Decoded(blocks[:, 2:34].view(np.int8), 8, 0, _f16(blocks[:, 0:2]))
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scales(blocks[:, 4:16])
@@ -87,17 +101,17 @@ def _decode(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, int, int, np.nda
         if kind == "Q5_K":  # byte l of qh holds bit 4 of value l in every sub-block j, at bit j
             qh = blocks[:, 16:48]
             q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
-        return q.reshape(n * 8, 32), 4 if kind == "Q4_K" else 5, 0, d * sc, -dmin * mn
+        bits = 4 if kind == "Q4_K" else 5
+        return _Decoded(q.reshape(n * 8, 32), bits, 0, d, -dmin, sc, mn, super_group=256)
     if kind == "Q6_K":
         ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
-        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        sc = blocks[:, 192:208].view(np.int8)
         d = _f16(blocks[:, 208:210])
         # Per half of 128 values: 32-value chunk c takes ql's low (c = 0, 1) or high (c = 2, 3)
         # nibbles of bytes 32(c % 2).., and bits 2c, 2c + 1 of qh.
         low = np.concatenate([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
         high = np.concatenate([(qh >> (2 * c)) & 3 for c in range(4)], axis=2)
-        q = (low | (high << 4)).astype(np.int16) - 32
-        return q.reshape(n * 8, 32).astype(np.int8), 8, 0, d * sc, None
+        return _Decoded((low | (high << 4)).reshape(n * 8, 32), 6, 32, d, sub_scales=sc, super_group=256)
     raise ValueError(f"GGUF type {kind} has no native kernel (native types: {', '.join(NATIVE_TYPES)})")
 
 
@@ -112,18 +126,25 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
     if blocks.shape[0] != rows * cols // block_values:
         raise ValueError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold [{rows}, {cols}]")
-    q, bits, zero, scales, mins = _decode(blocks, kind)
-    qs = _pack_nibbles(q) if bits == 4 else q.view(np.uint8)
-    scales = scales.reshape(rows, -1)
-    group = cols // scales.shape[1]
-    if mins is not None and not mins.any():
-        mins = None
+    decoded = _decode(blocks, kind)
+    qs = _pack_nibbles(decoded.q) if decoded.bits == 4 else decoded.q.view(np.uint8)
+    mins, sub_mins = decoded.mins, decoded.sub_mins
+    if mins is not None and not (mins.astype(np.float32) * (1 if sub_mins is None else sub_mins)).any():
+        mins = sub_mins = None  # every min 0: the kernels skip the term
+
+    def tensor(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+
+    group = 16 if kind == "Q6_K" else 32
     return QuantizedWeight(
-        torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
-        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, -1)),
-        bits,
-        group,
-        zero,
-        kind,
+        qs=tensor(qs),
+        scales=tensor(decoded.scales),
+        sub_scales=tensor(decoded.sub_scales),
+        mins=tensor(mins),
+        sub_mins=tensor(sub_mins),
+        bits=decoded.bits,
+        group=group,
+        zero=decoded.zero,
+        source=kind,
+        super_group=decoded.super_group,
     )

@@ -20,16 +20,12 @@
 #include <vector>
 
 #include "common.h"
+#include "quant_layout.h"
 
 using pagedllm::bf16;
 
-// A quantized weight's part of a projection's output columns (csrc/quant_gemm.cpp's layout).
-struct QuantPart {
-  const uint8_t* qs;
-  const float* scales;
-  const float* mins;
-  int64_t rows, bits, group, zero;
-};
+// A quantized weight's part of a projection's output columns: quant_layout.h's QuantWeight.
+using QuantPart = pagedllm::QuantWeight;
 
 // One projection: a float weight packed by `pack_panels` (packed non-null), or quantized
 // parts side by side in its output.
@@ -83,8 +79,7 @@ struct DecodeShape {
   void gelu_tanh_mul_##SUFFIX(const T*, T*, int64_t, int64_t);                                                     \
   void gemma_norm_##SUFFIX(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t, float);                 \
   void packed_gemm_##SUFFIX(const T*, const T*, T*, int64_t, int64_t, int64_t);                                    \
-  void quant_gemm_##SUFFIX(const T*, T*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,          \
-                           const float*, int64_t, int64_t, int64_t);                                               \
+  void quant_gemm_##SUFFIX(const T*, T*, int64_t, int64_t, const QuantPart*);                                     \
   void paged_decode_attention_##SUFFIX(const T*, const T*, const T*, T*, const int64_t*, const int64_t*,           \
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
                                        int64_t, int64_t);                                                          \
@@ -104,8 +99,7 @@ struct DecodeShape {
 
 // The AMX tile kernel on quantized weights (csrc/quant_amx.cpp), bfloat16 only; a float32
 // step never takes the tile path (pagedllm/layers/fused_decode.py sets quant_int_max_rows to 0).
-extern "C" void quant_amx_gemm_bf16(const bf16*, bf16*, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
-                                    const float*, const float*, int64_t, int64_t, int64_t);
+extern "C" void quant_amx_gemm_bf16(const bf16*, bf16*, int64_t, int64_t, const QuantPart*);
 PAGEDLLM_DECLARE(f32, float, quant_gemm_f32)
 PAGEDLLM_DECLARE(bf16, bf16, quant_amx_gemm_bf16)
 
@@ -161,7 +155,7 @@ void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_
   int64_t col = 0;
   for (int64_t i = 0; i < p->num_parts; ++i) {
     const QuantPart& q = p->parts[i];
-    gemm(x, y + col, m, q.rows, k, n, q.qs, q.scales, q.mins, q.bits, q.group, q.zero);
+    gemm(x, y + col, m, n, &q);
     col += q.rows;
   }
 }

@@ -85,10 +85,23 @@ inline void quad_to_rows(const uint8_t* quad, const __m512* scale, const __m512*
   quad_to_rows<Signed>(b, scale, bias, even, odd);
 }
 
+// Group g's 16 scales (mins) as floats: the super-group's float16 times the group's int8.
+inline __m512 scale_vector(const PanelScales& s, int64_t g) {
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.scales + s.super_at(g))));
+  if (s.sub_scales == nullptr) return v;
+  const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.sub_scales + g * kPanel));
+  return _mm512_mul_ps(v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
+}
+inline __m512 min_vector(const PanelScales& s, int64_t g) {
+  if (s.mins == nullptr) return _mm512_setzero_ps();
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.mins + s.super_at(g))));
+  if (s.sub_mins == nullptr) return v;
+  const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.sub_mins + g * kPanel));
+  return _mm512_mul_ps(v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
+}
+
 // A group's 16 scales and biases spread so that lane l of vector t is column 4t + l / 4's.
-inline void spread(const float* s, const float* mn, int32_t zero, __m512* scale, __m512* bias) {
-  const __m512 sv = _mm512_loadu_ps(s);
-  const __m512 mv = mn == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mn);
+inline void spread(__m512 sv, __m512 mv, int32_t zero, __m512* scale, __m512* bias) {
   const __m512 bv = _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(zero)), sv, mv);
   const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   for (int t = 0; t < 4; ++t) {
@@ -101,17 +114,15 @@ inline void spread(const float* s, const float* mn, int32_t zero, __m512* scale,
 // Block b of panel p of the weight in pairs of k values: 16 rows of 16 columns x 2 (k = 2i,
 // 2i + 1 in row i), rows row_stride values apart from `rows`.
 template <int Bits, int Group>
-void dequantize_block(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p,
-                      int64_t b, uint16_t* rows, int64_t row_stride) {
+void dequantize_block(const QuantWeight& w, int64_t p, int64_t b, uint16_t* rows, int64_t row_stride) {
   constexpr bool kSigned = Bits == 8 && !kUnsigned8;
-  const int64_t blocks = k / kBlock, groups = k / Group;
-  const uint8_t* blk = qs + (p * blocks + b) * block_bytes(Bits);
-  const float* ws = scales + p * groups * kPanel;
-  const float* wm = mins == nullptr ? nullptr : mins + p * groups * kPanel;
+  const uint8_t* blk = w.qs + (p * (w.cols / kBlock) + b) * block_bytes(Bits);
+  const PanelScales ps(w, p);
+  const int32_t zero = static_cast<int32_t>(w.zero);
   __m512 scale[2][4], bias[2][4];  // [the block's group][spread]
   for (int h = 0; h < (Group == 16 ? 2 : 1); ++h) {
     const int64_t g = Group == 16 ? 2 * b + h : b;
-    spread(ws + g * kPanel, wm == nullptr ? nullptr : wm + g * kPanel, zero, scale[h], bias[h]);
+    spread(scale_vector(ps, g), min_vector(ps, g), zero, scale[h], bias[h]);
   }
   if constexpr (Bits == 8) {
     for (int j = 0; j < 8; ++j) {
@@ -120,40 +131,48 @@ void dequantize_block(const uint8_t* qs, const float* scales, const float* mins,
                             rows + (2 * j + 1) * row_stride);
     }
   } else {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
-    const __m512i fifth = Bits == 5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+    constexpr int kHigh = Group == 16 ? 1 : 0;  // the group of quads 4..7
+    const __m512i nibble = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10), pair = _mm512_set1_epi8(0x30);
+    const __m512i extra0 = Bits == 4 ? _mm512_setzero_si512() : _mm512_loadu_si512(blk + 256);
+    const __m512i extra1 = Bits == 6 ? _mm512_loadu_si512(blk + 320) : _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(blk + j * 64);
       __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of `fifth` is the fifth bit of quad j (j + 4)
-        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), fifth_bit));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), fifth_bit));
+      if constexpr (Bits == 5) {  // bit j (j + 4) of each byte of extra0 is the fifth bit of quad j (j + 4)
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(extra0, 4 - j), fifth_bit));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(extra0, j), fifth_bit));
+      }
+      if constexpr (Bits == 6) {  // bits 2j, 2j + 1 of extra0 (extra1): quad j's (j + 4's) high pair
+        const auto to_pair = [&](__m512i plane) {
+          const __m512i shifted = j < 2 ? _mm512_slli_epi16(plane, 4 - 2 * j) : _mm512_srli_epi16(plane, 2 * j - 4);
+          return _mm512_and_si512(shifted, pair);
+        };
+        lo = _mm512_or_si512(lo, to_pair(extra0));
+        hi = _mm512_or_si512(hi, to_pair(extra1));
       }
       quad_to_rows<false>(lo, scale[0], bias[0], rows + 2 * j * row_stride, rows + (2 * j + 1) * row_stride);
-      quad_to_rows<false>(hi, scale[0], bias[0], rows + (2 * j + 8) * row_stride, rows + (2 * j + 9) * row_stride);
+      quad_to_rows<false>(hi, scale[kHigh], bias[kHigh], rows + (2 * j + 8) * row_stride,
+                          rows + (2 * j + 9) * row_stride);
     }
   }
 }
 
 // Panel p of the weight: block b at dst + b * block_stride (dequantize_block's layout).
 template <int Bits, int Group>
-void dequantize_panel(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t k, int64_t p,
-                      uint16_t* dst, int64_t block_stride, int64_t row_stride) {
-  for (int64_t b = 0; b < k / kBlock; ++b)
-    dequantize_block<Bits, Group>(qs, scales, mins, zero, k, p, b, dst + b * block_stride, row_stride);
+void dequantize_panel(const QuantWeight& w, int64_t p, uint16_t* dst, int64_t block_stride, int64_t row_stride) {
+  for (int64_t b = 0; b < w.cols / kBlock; ++b)
+    dequantize_block<Bits, Group>(w, p, b, dst + b * block_stride, row_stride);
 }
 
 // The whole weight [n, k] in oneDNN's blocked bfloat16 layout for a linear's weight (AB16b32a2b:
 // blocks of 32 output columns x 32 k, outer order column block then k block, inside [k pairs 16]
 // [columns 32][2]), which torch's packed linear reads.  n is a multiple of 32.
 template <int Bits, int Group>
-void dequantize_blocked(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t n, int64_t k,
-                        uint16_t* out) {
-  const int64_t blocks = k / kBlock;
+void dequantize_blocked(const QuantWeight& w, uint16_t* out) {
+  const int64_t blocks = w.cols / kBlock;
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < n / kPanel; ++p)
-    dequantize_panel<Bits, Group>(qs, scales, mins, zero, k, p, out + (p / 2 * blocks) * 1024 + (p % 2) * 32, 1024,
-                                  64);
+  for (int64_t p = 0; p < w.rows / kPanel; ++p)
+    dequantize_panel<Bits, Group>(w, p, out + (p / 2 * blocks) * 1024 + (p % 2) * 32, 1024, 64);
 }
 
 // Panels p0 .. p0 + np of the weight as B tiles in buf (block b's panels side by side), one
@@ -161,21 +180,20 @@ void dequantize_blocked(const uint8_t* qs, const float* scales, const float* min
 // can be spread over the multiply of the chunk before it.
 template <int Bits, int Group>
 struct ChunkDequantizer {
-  const uint8_t* qs = nullptr;
-  const float *scales = nullptr, *mins = nullptr;
-  int32_t zero = 0;
-  int64_t k = 0, p0 = 0, np = 0;
+  const QuantWeight* w = nullptr;
+  int64_t p0 = 0, np = 0;
   uint16_t* buf = nullptr;
   int64_t done = 0, per = 0;
 
-  int64_t total() const { return np * (k / kBlock); }
+  int64_t total() const { return w == nullptr ? 0 : np * (w->cols / kBlock); }
   // Spread the chunk over `iterations` calls of step().
   void spread(int64_t iterations) { per = (total() + iterations - 1) / std::max<int64_t>(1, iterations); }
   void step() {
-    const int64_t blocks = k / kBlock;
+    if (w == nullptr) return;
+    const int64_t blocks = w->cols / kBlock;
     for (int64_t j = 0; j < per && done < total(); ++j, ++done) {
       const int64_t p = done / blocks, b = done % blocks;
-      dequantize_block<Bits, Group>(qs, scales, mins, zero, k, p0 + p, b, buf + (b * np + p) * kTileElems, 32);
+      dequantize_block<Bits, Group>(*w, p0 + p, b, buf + (b * np + p) * kTileElems, 32);
     }
   }
   void finish() {
@@ -192,44 +210,48 @@ constexpr int64_t kStepBlocks = 16;  // blocks of k per step of multiply_chunk: 
 constexpr int64_t kStreamOutputBytes = int64_t{4} << 20;  // twice a core's L2 on the Xeons with AMX
 
 // Memory a chunk's multiply asks for (into L2, prefetcht1) while the tile unit works: the next
-// chunk's quantized values, scales and mins, spread evenly over the multiply's blocks of k.
+// chunk's quantized values, scales, sub-scales, mins and sub-mins, spread evenly over the
+// multiply's blocks of k.
 struct Ahead {
-  const char* start[3] = {nullptr, nullptr, nullptr};
-  int64_t lines[3] = {0, 0, 0};
+  static constexpr int kRanges = 5;
+  const char* start[kRanges] = {};
+  int64_t lines[kRanges] = {};
 
   struct Cursor {
     const Ahead* ahead;
     int64_t per, range = 0, line = 0;
     // Asks for the next `count` lines.
     void ask_some(int64_t count) {
-      for (int64_t j = 0; j < count && range < 3; ++j) {
-        while (range < 3 && line >= ahead->lines[range]) ++range, line = 0;
-        if (range == 3) return;
+      for (int64_t j = 0; j < count && range < kRanges; ++j) {
+        while (range < kRanges && line >= ahead->lines[range]) ++range, line = 0;
+        if (range == kRanges) return;
         __builtin_prefetch(ahead->start[range] + 64 * line++, 0, 2);
       }
     }
   };
   // A cursor for `iterations` blocks: `per` lines a block cover every line.
   Cursor spread(int64_t iterations) const {
-    const int64_t total = lines[0] + lines[1] + lines[2];
+    int64_t total = 0;
+    for (int64_t n : lines) total += n;
     return Cursor{this, (total + iterations - 1) / std::max<int64_t>(1, iterations)};
+  }
+  void add(int i, const void* from, int64_t bytes) {
+    if (from == nullptr) return;
+    start[i] = static_cast<const char*>(from);
+    lines[i] = (bytes + 63) / 64;
   }
 };
 
 // Panels p0 .. p0 + np of the weight, as ranges of whole cache lines.
-template <int Bits, int Group>
-Ahead chunk_weight(const uint8_t* qs, const float* scales, const float* mins, int64_t k, int64_t p0, int64_t np) {
-  const int64_t blocks = k / kBlock, groups = k / Group;
+template <int Bits>
+Ahead chunk_weight(const QuantWeight& w, int64_t p0, int64_t np) {
+  const int64_t blocks = w.cols / kBlock, groups = w.cols / w.group, supers = w.cols / w.super_group;
   Ahead a;
-  const int64_t value_bytes = np * blocks * block_bytes(Bits), scale_bytes = np * groups * kPanel * 4;
-  a.start[0] = reinterpret_cast<const char*>(qs + p0 * blocks * block_bytes(Bits));
-  a.lines[0] = (value_bytes + 63) / 64;
-  a.start[1] = reinterpret_cast<const char*>(scales + p0 * groups * kPanel);
-  a.lines[1] = (scale_bytes + 63) / 64;
-  if (mins != nullptr) {
-    a.start[2] = reinterpret_cast<const char*>(mins + p0 * groups * kPanel);
-    a.lines[2] = (scale_bytes + 63) / 64;
-  }
+  a.add(0, w.qs + p0 * blocks * block_bytes(Bits), np * blocks * block_bytes(Bits));
+  a.add(1, w.scales + p0 * supers * kPanel, np * supers * kPanel * 2);
+  if (w.sub_scales != nullptr) a.add(2, w.sub_scales + p0 * groups * kPanel, np * groups * kPanel);
+  if (w.mins != nullptr) a.add(3, w.mins + p0 * supers * kPanel, np * supers * kPanel * 2);
+  if (w.sub_mins != nullptr) a.add(4, w.sub_mins + p0 * groups * kPanel, np * groups * kPanel);
   return a;
 }
 
@@ -330,8 +352,8 @@ void multiply_chunk(const uint16_t* a, int64_t m, int64_t k, const uint16_t* buf
 }
 
 template <int Bits, int Group>
-void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
-              const float* scales, const float* mins, int32_t zero) {
+void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t ldy, const QuantWeight& w) {
+  const int64_t n = w.rows, k = w.cols;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (panels + kChunkPanels - 1) / kChunkPanels;
   // Rows in blocks of kRowBlock, each chunk dequantized again per block, so that a block of x
@@ -358,7 +380,7 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
     auto dequantizer = [&](int64_t chunk, uint16_t* into) {
       ChunkDequantizer<Bits, Group> d;  // past this thread's chunks: nothing to do
       if (chunk < last) {
-        d.qs = qs, d.scales = scales, d.mins = mins, d.zero = zero, d.k = k;
+        d.w = &w;
         d.p0 = chunk * kChunkPanels, d.np = panels_of(chunk), d.buf = into;
       }
       return d;
@@ -373,7 +395,7 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
         // the vector units and the tile unit then work at once.
         auto following = dequantizer(chunk + 1, buf.data() + ((chunk - first + 1) % 2) * half);
         const Ahead ahead = chunk + 2 < last
-                                ? chunk_weight<Bits, Group>(qs, scales, mins, k, (chunk + 2) * kChunkPanels, panels_of(chunk + 2))
+                                ? chunk_weight<Bits>(w, (chunk + 2) * kChunkPanels, panels_of(chunk + 2))
                                 : Ahead{};
         const int64_t p0 = chunk * kChunkPanels, np = panels_of(chunk);
         multiply_chunk(a.data(), rows, k, current, np, std::min(np * kPanel, n - p0 * kPanel),
@@ -392,6 +414,7 @@ void amx_gemm(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t l
 }  // namespace pagedllm
 
 using pagedllm::bf16;
+using pagedllm::QuantWeight;
 
 // 1 where this build has the AMX kernel and the OS let the process use the tiles.
 PAGEDLLM_API int64_t quant_amx_available() {
@@ -402,21 +425,18 @@ PAGEDLLM_API int64_t quant_amx_available() {
 #endif
 }
 
-// y[r * ldy + j] for j < n = row r of x [m, k] times column j of the panel-packed weight; a no-op
-// where quant_amx_available() is 0.
-PAGEDLLM_API void quant_amx_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
-                                      const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                      int64_t group, int64_t zero) {
+// y[r * ldy + j] = row r of x [m, w.cols] times column j < w.rows of the panel-packed weight; a
+// no-op where quant_amx_available() is 0.
+PAGEDLLM_API void quant_amx_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t ldy, const QuantWeight* w) {
 #if defined(PAGEDLLM_AMX)
   if (!pagedllm::amx_granted()) return;
-  const int32_t z = static_cast<int32_t>(zero);
-  if (bits == 4) return pagedllm::amx_gemm<4, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  if (bits == 5) return pagedllm::amx_gemm<5, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  if (group == 16) return pagedllm::amx_gemm<8, 16>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  return pagedllm::amx_gemm<8, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+  if (w->bits == 4) return pagedllm::amx_gemm<4, 32>(x, y, m, ldy, *w);
+  if (w->bits == 5) return pagedllm::amx_gemm<5, 32>(x, y, m, ldy, *w);
+  if (w->bits == 6) return pagedllm::amx_gemm<6, 16>(x, y, m, ldy, *w);
+  if (w->group == 16) return pagedllm::amx_gemm<8, 16>(x, y, m, ldy, *w);
+  return pagedllm::amx_gemm<8, 32>(x, y, m, ldy, *w);
 #else
-  (void)x, (void)y, (void)m, (void)n, (void)k, (void)ldy, (void)qs, (void)scales, (void)mins, (void)bits;
-  (void)group, (void)zero;
+  (void)x, (void)y, (void)m, (void)ldy, (void)w;
 #endif
 }
 
@@ -429,18 +449,17 @@ PAGEDLLM_API int64_t dequantize_blocked_available() {
 #endif
 }
 
-// The panel-packed weight [n, k] (n a multiple of 32) dequantized to bfloat16 in oneDNN's blocked
+// The panel-packed weight (rows a multiple of 32) dequantized to bfloat16 in oneDNN's blocked
 // layout at `out` (see dequantize_blocked); a no-op where dequantize_blocked_available() is 0.
-PAGEDLLM_API void dequantize_blocked_bf16(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                          int64_t group, int64_t zero, int64_t n, int64_t k, bf16* out) {
+PAGEDLLM_API void dequantize_blocked_bf16(const QuantWeight* w, bf16* out) {
 #if defined(PAGEDLLM_BF16_PAIRS)
-  const int32_t z = static_cast<int32_t>(zero);
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
-  if (bits == 4) return pagedllm::dequantize_blocked<4, 32>(qs, scales, mins, z, n, k, o);
-  if (bits == 5) return pagedllm::dequantize_blocked<5, 32>(qs, scales, mins, z, n, k, o);
-  if (group == 16) return pagedllm::dequantize_blocked<8, 16>(qs, scales, mins, z, n, k, o);
-  return pagedllm::dequantize_blocked<8, 32>(qs, scales, mins, z, n, k, o);
+  if (w->bits == 4) return pagedllm::dequantize_blocked<4, 32>(*w, o);
+  if (w->bits == 5) return pagedllm::dequantize_blocked<5, 32>(*w, o);
+  if (w->bits == 6) return pagedllm::dequantize_blocked<6, 16>(*w, o);
+  if (w->group == 16) return pagedllm::dequantize_blocked<8, 16>(*w, o);
+  return pagedllm::dequantize_blocked<8, 32>(*w, o);
 #else
-  (void)qs, (void)scales, (void)mins, (void)bits, (void)group, (void)zero, (void)n, (void)k, (void)out;
+  (void)w, (void)out;
 #endif
 }

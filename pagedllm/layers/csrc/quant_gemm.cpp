@@ -1,28 +1,34 @@
 // y = x W^T on weights kept quantized, as GGUF files ship them, and embedding rows read
 // from them.
 //
-// Values.  Every GGUF type the engine runs natively is repacked once at load into one of
-// three kinds, in blocks of 32 values along k, each value w = scale * (u - zero) + min for
-// its group of `group` values (pagedllm/models/gguf_weights.py): `zero` is an integer
-// zero point (Q4_0: 8, Q5_0: 16), min a float (Q4_1, Q4_K, Q5_1, Q5_K) or absent.
-// - 4-bit: u in 0..15 (Q4_0, Q4_1, Q4_K; scale and min in float32 hold Q4_K's d * sub-scale
-//   exactly);
+// Values.  Every GGUF type the engine runs natively is repacked once at load, bit for bit, into
+// one of four kinds, in blocks of 32 values along k, each value w = scale * (u - zero) + min for
+// its group of `group` values (pagedllm/models/gguf_weights.py): `zero` is an integer zero
+// point (Q4_0: 8, Q5_0: 16, Q6_K: 32), min a float (Q4_1, Q4_K, Q5_1, Q5_K) or absent.
+// - 4-bit: u in 0..15 (Q4_0, Q4_1, Q4_K);
 // - 5-bit: u in 0..31 (Q5_0, Q5_1, Q5_K), as 4-bit plus a plane of fifth bits;
-// - 8-bit: a signed byte (Q8_0, and Q6_K in groups of 16).  Where the build has VNNI they
-//   are stored as q + 128 with zero 128, which `vpdpbusd` (unsigned x signed bytes) takes
-//   without the sign trick below.
+// - 6-bit: u in 0..63 (Q6_K, groups of 16), as 4-bit plus two planes of high bit pairs;
+// - 8-bit: a signed byte (Q8_0).  Where the build has VNNI they are stored as q + 128 with
+//   zero 128, which `vpdpbusd` (unsigned x signed bytes) takes without the sign trick below.
+// Scales and mins are kept as the file keeps them (quant_layout.h's QuantWeight): a float16 per
+// group for the legacy types; for the K types a float16 per super-group of 256 values times an
+// int8 per group (Q4_K's and Q5_K's 6-bit sub-scales and sub-mins, Q6_K's signed sub-scales).
+// So the weights in memory take the file's bytes (scales spread over panels, nothing added).
 //
 // Layout (pagedllm/layers/quantized.py packs it): output columns in panels of kPanel (16 with
 // AVX-512, 8 with AVX2), so that one vector holds 4 consecutive k values ("a quad") of each
 // of the panel's columns.  Per panel and block of 32: 8-bit, quads 0..7 one after another
 // ([8][kPanel][4] bytes); 4-bit, [4][kPanel][4] bytes, quad j in the low nibbles and quad j + 4
 // in the high ones; 5-bit, the 4-bit bytes then [kPanel][4] bytes of fifth bits, bit j of
-// byte (c, i) for value 4j + i of column c.  Scales and mins: float32 [panels][k / group][kPanel].
+// byte (c, i) for value 4j + i of column c; 6-bit, the 4-bit bytes then two planes of
+// [kPanel][4] bytes, bits 2j, 2j + 1 of plane h's byte (c, i) the high pair of value
+// 4(4h + j) + i.  Scales and mins: [panels][k / super-group][kPanel], sub-scales and sub-mins
+// [panels][k / group][kPanel].
 //
 // Arithmetic.  The activations are quantized per block of 32 to signed bytes with a float
 // scale, as llama.cpp's dot products do; a block's products are integer multiply-adds of a
 // weight vector with one row's quad broadcast: VNNI's `vpdpbusd`, else `vpmaddubsw` (unsigned
-// x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: u is at most 31,
+// x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: u is at most 63,
 // and signed 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  The zero
 // point comes off in integers (zero * the sum of the group's x); each block's int32 sums are
 // then scaled once (the weight's scale times x's), and the mins' term is min * (the sum of
@@ -179,6 +185,11 @@ struct Isa {
     const I shifted = bit < 4 ? _mm512_slli_epi16(h, 4 - bit) : _mm512_srli_epi16(h, bit - 4);
     return _mm512_and_si512(shifted, _mm512_set1_epi8(0x10));
   }
+  // bits 2j, 2j + 1 of every byte of h moved to bits 4, 5 (a 6-bit value's high pair), the rest 0
+  static I pair(I h, int j) {
+    const I shifted = j < 2 ? _mm512_slli_epi16(h, 4 - 2 * j) : _mm512_srli_epi16(h, 2 * j - 4);
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x30));
+  }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I sub32(I a, int32_t v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
   static I srl32(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
@@ -198,6 +209,10 @@ struct Isa {
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F bytes(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static F fset(float v) { return _mm512_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -225,6 +240,10 @@ struct Isa {
     const I shifted = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4);
     return _mm256_and_si256(shifted, _mm256_set1_epi8(0x10));
   }
+  static I pair(I h, int j) {
+    const I shifted = j < 2 ? _mm256_slli_epi16(h, 4 - 2 * j) : _mm256_srli_epi16(h, 2 * j - 4);
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
+  }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I sub32(I a, int32_t v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v)); }
   static I srl32(I v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
@@ -241,11 +260,40 @@ struct Isa {
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F bytes(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static F fset(float v) { return _mm256_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
+
+#endif
+
+#if defined(__AVX2__)
+// Group g's kPanel scales (mins) as floats: the super-group's float16 times the group's int8.
+inline Isa::F scale_vector(const PanelScales& s, int64_t g) {
+  const Isa::F v = Isa::halves(s.scales + s.super_at(g));
+  return s.sub_scales == nullptr ? v : Isa::mul(v, Isa::bytes(s.sub_scales + g * kPanel));
+}
+inline Isa::F min_vector(const PanelScales& s, int64_t g) {
+  const Isa::F v = Isa::halves(s.mins + s.super_at(g));
+  return s.sub_mins == nullptr ? v : Isa::mul(v, Isa::bytes(s.sub_mins + g * kPanel));
+}
+
+// Quad j (0..7) of a 4-, 5- or 6-bit block as unsigned bytes: nibbles of vector j % 4 (low for
+// j < 4), plus the fifth bit (bit j of the plane after the nibbles) or the high pair (bits
+// 2(j % 4).. of plane j / 4).
+template <int Bits>
+inline Isa::I small_quad(const uint8_t* blk, int j) {
+  const Isa::I v = Isa::load(blk + (j & 3) * kPanel * 4);
+  Isa::I u = j < 4 ? Isa::low_nibbles(v) : Isa::high_nibbles(v);
+  if constexpr (Bits == 5) u = Isa::or_(u, Isa::fifth(Isa::load(blk + 16 * kPanel), j));
+  if constexpr (Bits == 6) u = Isa::or_(u, Isa::pair(Isa::load(blk + (16 + 4 * (j >> 2)) * kPanel), j & 3));
+  return u;
+}
 #endif
 
 // The stored integer of column c (within its panel) at k index j of block `blk` (which points
@@ -258,14 +306,16 @@ inline int32_t panel_value(const uint8_t* blk, int64_t bits, int64_t c, int64_t 
   }
   const uint8_t packed = blk[((quad % 4) * kPanel + c) * 4 + byte];
   const int32_t low = quad < 4 ? packed & 0x0F : packed >> 4;
-  return bits == 4 ? low : low | (((blk[16 * kPanel + c * 4 + byte] >> quad) & 1) << 4);
+  if (bits == 5) return low | (((blk[16 * kPanel + c * 4 + byte] >> quad) & 1) << 4);
+  if (bits == 6) return low | (((blk[(16 + 4 * (quad / 4)) * kPanel + c * 4 + byte] >> (2 * (quad % 4))) & 3) << 4);
+  return low;
 }
 
 #if defined(__AVX2__)
 // out[r][c] = x row (row0 + r) . column c of the panel, for R rows.
 template <int Bits, int Group, int R>
-void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
-                int64_t row0, int64_t k, float (*out)[kPanel]) {
+void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x, int64_t row0, int64_t k,
+                float (*out)[kPanel]) {
   using V = Isa;
   const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
   const int8_t* xq = x.q.data() + row0 * kBlock;  // QuantizedRows' block-major layout from here on
@@ -282,6 +332,14 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
     const int32_t* z = zs + (Group == 16 ? 2 * b : b) * m;  // the block's first group
     typename V::I sum[R];
     for (int r = 0; r < R; ++r) sum[r] = V::set32(z + r);
+    // The first group of 16 folded into acc midway, not kept in a second set of R sums.
+    auto fold_first_half = [&]() {
+      const typename V::F scale = scale_vector(ps, 2 * b);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
+        sum[r] = V::set32(z + m + r);
+      }
+    };
     if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
@@ -291,37 +349,30 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
           if constexpr (!kUnsigned8) xv = V::sign8(xv, v);
           sum[r] = V::dot(sum[r], u, xv);
         }
-        if (Group == 16 && j == 3) {  // the first group of 16 folded here, not kept in a second set of R sums
-          const typename V::F scale = V::fload(ws + 2 * b * kPanel);
-          for (int r = 0; r < R; ++r) {
-            acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
-            sum[r] = V::set32(z + m + r);
-          }
-        }
+        if (Group == 16 && j == 3) fold_first_half();
       }
-    } else {
-      const typename V::I fifth_bits = Bits == 5 ? V::load(blk + 16 * kPanel) : V::zero();
+    } else if constexpr (Group == 32) {  // quads j and j + 4 share a load of nibbles
       for (int j = 0; j < 4; ++j) {
-        const typename V::I v = V::load(blk + j * kPanel * 4);
-        typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
-        if constexpr (Bits == 5) {
-          lo = V::or_(lo, V::fifth(fifth_bits, j));
-          hi = V::or_(hi, V::fifth(fifth_bits, j + 4));
-        }
+        const typename V::I lo = small_quad<Bits>(blk, j), hi = small_quad<Bits>(blk, j + 4);
         for (int r = 0; r < R; ++r) {
           const int8_t* row = rows + r * kBlock;
           sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
           sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
         }
       }
+    } else {  // groups of 16: quads 0..3, then 4..7
+      for (int j = 0; j < 8; ++j) {
+        const typename V::I u = small_quad<Bits>(blk, j);
+        for (int r = 0; r < R; ++r) sum[r] = V::dot(sum[r], u, V::broadcast(rows + r * kBlock + 4 * j));
+        if (j == 3) fold_first_half();
+      }
     }
-    const int64_t g = Group == 16 ? 2 * b + 1 : b;  // the block's (last) group
-    const typename V::F scale = V::fload(ws + g * kPanel);
+    const typename V::F scale = scale_vector(ps, Group == 16 ? 2 * b + 1 : b);  // the block's (last) group
     for (int r = 0; r < R; ++r) acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
   }
-  if (wm != nullptr) {
+  if (ps.mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
-      const typename V::F mins = V::fload(wm + g * kPanel);
+      const typename V::F mins = min_vector(ps, g);
       for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::fset(xs[g * m + r]), acc[r]);
     }
   }
@@ -330,8 +381,8 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
 #else
 // Plain C++ for CPUs without AVX2: the same arithmetic, value by value.
 template <int Bits, int Group, int R>
-void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
-                int64_t row0, int64_t k, float (*out)[kPanel]) {
+void panel_tile(const uint8_t* wq, const PanelScales& ps, int32_t zero, const QuantizedRows& x, int64_t row0,
+                int64_t k, float (*out)[kPanel]) {
   const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
@@ -344,13 +395,13 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
           half[j / 16] += (panel_value(wq + b * block_bytes(Bits), Bits, c, j) - zero) * xq[j];
         const float d = x.scale[b * m + row];
         if (Group == 32) {
-          acc += d * ws[b * kPanel + c] * static_cast<float>(half[0] + half[1]);
+          acc += d * ps.scale(b, c) * static_cast<float>(half[0] + half[1]);
         } else {
-          acc += d * (ws[2 * b * kPanel + c] * half[0] + ws[(2 * b + 1) * kPanel + c] * half[1]);
+          acc += d * (ps.scale(2 * b, c) * half[0] + ps.scale(2 * b + 1, c) * half[1]);
         }
       }
-      if (wm != nullptr)
-        for (int64_t g = 0; g < groups; ++g) acc += wm[g * kPanel + c] * x.sums[g * m + row];
+      if (ps.mins != nullptr)
+        for (int64_t g = 0; g < groups; ++g) acc += ps.min(g, c) * x.sums[g * m + row];
       out[r][c] = acc;
     }
   }
@@ -358,22 +409,29 @@ void panel_tile(const uint8_t* wq, const float* ws, const float* wm, int32_t zer
 #endif
 
 template <int Bits, int Group>
-void panel_rows(const uint8_t* wq, const float* ws, const float* wm, int32_t zero, const QuantizedRows& x,
-                int64_t row0, int64_t rows, int64_t k, float (*out)[kPanel]) {
-  switch (rows) {
-    case 1: return panel_tile<Bits, Group, 1>(wq, ws, wm, zero, x, row0, k, out);
-    case 2: return panel_tile<Bits, Group, 2>(wq, ws, wm, zero, x, row0, k, out);
-    case 3: return panel_tile<Bits, Group, 3>(wq, ws, wm, zero, x, row0, k, out);
-    case 4: return panel_tile<Bits, Group, 4>(wq, ws, wm, zero, x, row0, k, out);
-#if defined(__AVX512F__)
-    case 5: return panel_tile<Bits, Group, 5>(wq, ws, wm, zero, x, row0, k, out);
-    case 6: return panel_tile<Bits, Group, 6>(wq, ws, wm, zero, x, row0, k, out);
-    case 7: return panel_tile<Bits, Group, 7>(wq, ws, wm, zero, x, row0, k, out);
-    default: return panel_tile<Bits, Group, 8>(wq, ws, wm, zero, x, row0, k, out);
+void panel_rows(const uint8_t* wq, const PanelScales& ps, int32_t zero, const QuantizedRows& x, int64_t row0,
+                int64_t rows, int64_t k, float (*out)[kPanel]) {
+#if defined(__AVX2__)
+  (void)zero;  // folded into QuantizedRows' zero_sums
+#define PAGEDLLM_TILE(R) panel_tile<Bits, Group, R>(wq, ps, x, row0, k, out)
 #else
-    default: return panel_tile<Bits, Group, 4>(wq, ws, wm, zero, x, row0, k, out);
+#define PAGEDLLM_TILE(R) panel_tile<Bits, Group, R>(wq, ps, zero, x, row0, k, out)
+#endif
+  switch (rows) {
+    case 1: return PAGEDLLM_TILE(1);
+    case 2: return PAGEDLLM_TILE(2);
+    case 3: return PAGEDLLM_TILE(3);
+    case 4: return PAGEDLLM_TILE(4);
+#if defined(__AVX512F__)
+    case 5: return PAGEDLLM_TILE(5);
+    case 6: return PAGEDLLM_TILE(6);
+    case 7: return PAGEDLLM_TILE(7);
+    default: return PAGEDLLM_TILE(8);
+#else
+    default: return PAGEDLLM_TILE(4);
 #endif
   }
+#undef PAGEDLLM_TILE
 }
 
 // A tile's floats to row `dst` of y: whole vectors where the panel is full.
@@ -393,15 +451,16 @@ inline void store_row(T* dst, const float* src, int64_t cols) {
 // benchmarks/weights_compare.py, docs/performance.md).
 constexpr int64_t kRowBlockBytes = 128 << 10, kFitsL2Bytes = 1 << 20;
 
-// y[r * ldy + j] for j < n: row r of x times column j of the weight.
+// y[r * ldy + j] for j < w.rows: row r of x [m, w.cols] times column j of the weight.
 template <typename T, int Bits, int Group>
-void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
-                const float* scales, const float* mins, int32_t zero) {
+void quant_gemm(const T* x, T* y, int64_t m, int64_t ldy, const QuantWeight& w) {
   thread_local QuantizedRows this_threads;
   QuantizedRows& xr = this_threads;  // inside the parallel region the name would be each worker's own
+  const int64_t n = w.rows, k = w.cols;
+  const int32_t zero = static_cast<int32_t>(w.zero);
   quantize_rows(x, m, k, Group, zero, xr);
-  const int64_t panels = (n + kPanel - 1) / kPanel, groups = k / Group;
-  const int64_t panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = k / kBlock * block_bytes(Bits);
   const int64_t block_rows = m * k <= kFitsL2Bytes ? std::max<int64_t>(m, 1)
                                                    : std::max<int64_t>(1, kRowBlockBytes / k / kTileRows) * kTileRows;
   const int64_t row_blocks = (m + block_rows - 1) / block_rows;
@@ -409,11 +468,11 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, 
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t cols = std::min(kPanel, n - p * kPanel), end = std::min(m, (rb + 1) * block_rows);
+      const PanelScales ps(w, p);
       for (int64_t r0 = rb * block_rows; r0 < end; r0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, end - r0);
         float out[kTileRows][kPanel];
-        panel_rows<Bits, Group>(qs + p * panel_bytes, scales + p * panel_floats,
-                                mins == nullptr ? nullptr : mins + p * panel_floats, zero, xr, r0, rows, k, out);
+        panel_rows<Bits, Group>(w.qs + p * panel_bytes, ps, zero, xr, r0, rows, k, out);
         for (int64_t r = 0; r < rows; ++r) store_row(y + (r0 + r) * ldy + p * kPanel, out[r], cols);
       }
     }
@@ -421,31 +480,29 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, 
 }
 
 template <typename T>
-void quant_gemm_any(const T* x, T* y, int64_t m, int64_t n, int64_t k, int64_t ldy, const uint8_t* qs,
-                    const float* scales, const float* mins, int64_t bits, int64_t group, int64_t zero) {
-  const int32_t z = static_cast<int32_t>(zero);
-  if (bits == 4) return quant_gemm<T, 4, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  if (bits == 5) return quant_gemm<T, 5, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  if (group == 16) return quant_gemm<T, 8, 16>(x, y, m, n, k, ldy, qs, scales, mins, z);
-  return quant_gemm<T, 8, 32>(x, y, m, n, k, ldy, qs, scales, mins, z);
+void quant_gemm_any(const T* x, T* y, int64_t m, int64_t ldy, const QuantWeight& w) {
+  if (w.bits == 4) return quant_gemm<T, 4, 32>(x, y, m, ldy, w);
+  if (w.bits == 5) return quant_gemm<T, 5, 32>(x, y, m, ldy, w);
+  if (w.bits == 6) return quant_gemm<T, 6, 16>(x, y, m, ldy, w);
+  if (w.group == 16) return quant_gemm<T, 8, 16>(x, y, m, ldy, w);
+  return quant_gemm<T, 8, 32>(x, y, m, ldy, w);
 }
 
 // Rows `ids` of the weight as floats (embedding lookups).
-template <typename T, int Bits>
-void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, int32_t zero, int64_t group,
-                     int64_t k, const int64_t* ids, int64_t count, T* out) {
-  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
+template <typename T>
+void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t count, T* out) {
+  const int64_t k = w.cols, panel_bytes = k / kBlock * block_bytes(w.bits);
+  const int32_t zero = static_cast<int32_t>(w.zero);
 #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
   for (int64_t i = 0; i < count; ++i) {
     const int64_t p = ids[i] / kPanel, c = ids[i] % kPanel;
-    const float* s = scales + p * panel_floats;
-    const float* mn = mins == nullptr ? nullptr : mins + p * panel_floats;
+    const PanelScales ps(w, p);
     for (int64_t b = 0; b < k / kBlock; ++b) {
-      const uint8_t* blk = qs + p * panel_bytes + b * block_bytes(Bits);
+      const uint8_t* blk = w.qs + p * panel_bytes + b * block_bytes(w.bits);
       for (int64_t j = 0; j < kBlock; ++j) {
-        const int64_t g = (b * kBlock + j) / group;
-        const float v = s[g * kPanel + c] * static_cast<float>(panel_value(blk, Bits, c, j) - zero);
-        out[i * k + b * kBlock + j] = from_float<T>(mn == nullptr ? v : v + mn[g * kPanel + c]);
+        const int64_t g = (b * kBlock + j) / w.group;
+        const float v = ps.scale(g, c) * static_cast<float>(panel_value(blk, w.bits, c, j) - zero);
+        out[i * k + b * kBlock + j] = from_float<T>(v + ps.min(g, c));
       }
     }
   }
@@ -455,10 +512,10 @@ void dequantize_rows(const uint8_t* qs, const float* scales, const float* mins, 
 // it for many-row steps.  In the panel layout byte i of every 4-byte lane of a quad's vector is
 // one k row of the panel's columns, so each is shifted down, masked, converted and stored whole.
 template <typename T, int Bits>
-void dequantize_transposed(const uint8_t* qs, const float* scales, const float* mins, int32_t zero,
-                           int64_t group, int64_t n, int64_t k, T* out, int64_t ldo) {
-  const int64_t groups = k / group, panel_bytes = k / kBlock * block_bytes(Bits), panel_floats = groups * kPanel;
+void dequantize_transposed(const QuantWeight& w, T* out, int64_t ldo) {
+  const int64_t n = w.rows, k = w.cols, group = w.group, panel_bytes = k / kBlock * block_bytes(Bits);
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int32_t zero = static_cast<int32_t>(w.zero);
   // Panels side by side that fill a 64-byte cache line of a row of out, done together so that
   // each line is written whole, once.
   constexpr int64_t line = std::max<int64_t>(1, 64 / (kPanel * static_cast<int64_t>(sizeof(T))));
@@ -468,22 +525,24 @@ void dequantize_transposed(const uint8_t* qs, const float* scales, const float* 
       for (int j = 0; j < 8; ++j) {
        for (int64_t p = first; p < std::min(panels, first + line); ++p) {
         const int64_t cols = std::min(kPanel, n - p * kPanel);
-        const uint8_t* blk = qs + p * panel_bytes + b * block_bytes(Bits);
+        const uint8_t* blk = w.qs + p * panel_bytes + b * block_bytes(Bits);
         const int64_t g = (b * kBlock + 4 * j) / group;
-        const float* s = scales + p * panel_floats + g * kPanel;
-        const float* mn = mins == nullptr ? nullptr : mins + p * panel_floats + g * kPanel;
+        const PanelScales ps(w, p);
 #if defined(__AVX2__)
         using V = Isa;
         const typename V::I v = V::load(blk + (Bits == 8 ? j : j & 3) * kPanel * 4);
-        const typename V::I fifth_bits = Bits == 5 ? V::load(blk + 16 * kPanel) : V::zero();
-        const typename V::F scale = V::fload(s), offset = mn == nullptr ? V::fzero() : V::fload(mn);
+        const typename V::I extra = Bits == 5   ? V::load(blk + 16 * kPanel)
+                                    : Bits == 6 ? V::load(blk + (16 + 4 * (j >> 2)) * kPanel)
+                                                : V::zero();
+        const typename V::F scale = scale_vector(ps, g), offset = ps.mins == nullptr ? V::fzero() : min_vector(ps, g);
         for (int i = 0; i < 4; ++i) {
           typename V::I t;
           if constexpr (Bits == 8) {
             t = kUnsigned8 ? V::and32(V::srl32(v, 8 * i), 0xFF) : V::sra32(V::sll32(v, 24 - 8 * i), 24);
           } else {
             t = V::and32(V::srl32(v, 8 * i + (j < 4 ? 0 : 4)), 0x0F);
-            if constexpr (Bits == 5) t = V::or_(t, V::sll32(V::and32(V::srl32(fifth_bits, 8 * i + j), 1), 4));
+            if constexpr (Bits == 5) t = V::or_(t, V::sll32(V::and32(V::srl32(extra, 8 * i + j), 1), 4));
+            if constexpr (Bits == 6) t = V::or_(t, V::sll32(V::and32(V::srl32(extra, 8 * i + 2 * (j & 3)), 3), 4));
           }
           const typename V::F row = V::fmadd(V::to_float(V::sub32(t, zero)), scale, offset);
           T* dst = out + (b * kBlock + 4 * j + i) * ldo + p * kPanel;
@@ -498,8 +557,8 @@ void dequantize_transposed(const uint8_t* qs, const float* scales, const float* 
 #else
         for (int64_t i = 0; i < 4; ++i)
           for (int64_t c = 0; c < cols; ++c) {
-            const float v = s[c] * static_cast<float>(panel_value(blk, Bits, c, 4 * j + i) - zero);
-            out[(b * kBlock + 4 * j + i) * ldo + p * kPanel + c] = from_float<T>(mn == nullptr ? v : v + mn[c]);
+            const float v = ps.scale(g, c) * static_cast<float>(panel_value(blk, Bits, c, 4 * j + i) - zero);
+            out[(b * kBlock + 4 * j + i) * ldo + p * kPanel + c] = from_float<T>(v + ps.min(g, c));
           }
 #endif
        }
@@ -509,49 +568,39 @@ void dequantize_transposed(const uint8_t* qs, const float* scales, const float* 
 }
 
 template <typename T>
-void dequantize_any(const uint8_t* qs, const float* scales, const float* mins, int64_t bits, int64_t group,
-                    int64_t zero, int64_t n, int64_t k, const int64_t* ids, int64_t count, T* out) {
-  const int32_t z = static_cast<int32_t>(zero);
-  if (ids == nullptr) {  // the whole weight, transposed: out is [k, count] (count = n)
-    if (bits == 4) return dequantize_transposed<T, 4>(qs, scales, mins, z, group, n, k, out, count);
-    if (bits == 5) return dequantize_transposed<T, 5>(qs, scales, mins, z, group, n, k, out, count);
-    return dequantize_transposed<T, 8>(qs, scales, mins, z, group, n, k, out, count);
-  }
-  if (bits == 4) return dequantize_rows<T, 4>(qs, scales, mins, z, group, k, ids, count, out);
-  if (bits == 5) return dequantize_rows<T, 5>(qs, scales, mins, z, group, k, ids, count, out);
-  return dequantize_rows<T, 8>(qs, scales, mins, z, group, k, ids, count, out);
+void dequantize_any(const QuantWeight& w, const int64_t* ids, int64_t count, T* out) {
+  if (ids != nullptr) return dequantize_rows(w, ids, count, out);
+  // the whole weight, transposed: out is [k, count] (count >= n)
+  if (w.bits == 4) return dequantize_transposed<T, 4>(w, out, count);
+  if (w.bits == 5) return dequantize_transposed<T, 5>(w, out, count);
+  if (w.bits == 6) return dequantize_transposed<T, 6>(w, out, count);
+  return dequantize_transposed<T, 8>(w, out, count);
 }
 
 }  // namespace
 }  // namespace pagedllm
 
 using pagedllm::bf16;
+using pagedllm::QuantWeight;
 
 // The layout's parameters for this build: columns per panel, and whether 8-bit values are
-// stored as q + 128 (with min - 128 * scale).
+// stored as q + 128 (with zero point 128).
 PAGEDLLM_API int64_t quant_panel_width() { return pagedllm::kPanel; }
 PAGEDLLM_API int64_t quant_unsigned8() { return pagedllm::kUnsigned8 ? 1 : 0; }
 
-PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
-                                 const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                 int64_t group, int64_t zero) {
-  pagedllm::quant_gemm_any(x, y, m, n, k, ldy, qs, scales, mins, bits, group, zero);
+// y[r * ldy + j] = row r of x [m, w.cols] times column j < w.rows of the weight.
+PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t ldy, const QuantWeight* w) {
+  pagedllm::quant_gemm_any(x, y, m, ldy, *w);
 }
-PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t n, int64_t k, int64_t ldy,
-                                  const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                  int64_t group, int64_t zero) {
-  pagedllm::quant_gemm_any(x, y, m, n, k, ldy, qs, scales, mins, bits, group, zero);
+PAGEDLLM_API void quant_gemm_bf16(const bf16* x, bf16* y, int64_t m, int64_t ldy, const QuantWeight* w) {
+  pagedllm::quant_gemm_any(x, y, m, ldy, *w);
 }
-// Rows `ids` (int64 [count]) of the weight as floats, to `out` [count, k]; with ids null, the
-// whole weight transposed to out [k, count] (count >= n: the row stride, for a fused projection's
-// parts side by side).
-PAGEDLLM_API void dequantize_rows_f32(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                      int64_t group, int64_t zero, int64_t n, int64_t k, const int64_t* ids,
-                                      int64_t count, float* out) {
-  pagedllm::dequantize_any(qs, scales, mins, bits, group, zero, n, k, ids, count, out);
+// Rows `ids` (int64 [count]) of the weight as floats, to `out` [count, cols]; with ids null, the
+// whole weight transposed to out [cols, count] (count >= rows: the row stride, for a fused
+// projection's parts side by side).
+PAGEDLLM_API void dequantize_rows_f32(const QuantWeight* w, const int64_t* ids, int64_t count, float* out) {
+  pagedllm::dequantize_any(*w, ids, count, out);
 }
-PAGEDLLM_API void dequantize_rows_bf16(const uint8_t* qs, const float* scales, const float* mins, int64_t bits,
-                                       int64_t group, int64_t zero, int64_t n, int64_t k, const int64_t* ids,
-                                       int64_t count, bf16* out) {
-  pagedllm::dequantize_any(qs, scales, mins, bits, group, zero, n, k, ids, count, out);
+PAGEDLLM_API void dequantize_rows_bf16(const QuantWeight* w, const int64_t* ids, int64_t count, bf16* out) {
+  pagedllm::dequantize_any(*w, ids, count, out);
 }
