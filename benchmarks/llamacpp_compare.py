@@ -2,8 +2,10 @@
 
     pip install llama-cpp-python   # builds llama.cpp from source for this CPU (~10 min)
     python benchmarks/llamacpp_compare.py --scenario one-128 one-1024 batch-8 batch-32 --repeats 3
+    python benchmarks/llamacpp_compare.py --model bench-results/models/llama3.2-1b/Q4_K_M.gguf \
+        --engines native llama_cpp --scenario one-128   # a real-size file (benchmarks/make_models.py)
 
-Engines, all reading the bundled model's GGUF file:
+Engines, all reading the same GGUF file (the bundled model's unless --model names another):
 - `native`: pagedllm with weights=native, computing on the file's quantized blocks;
 - `dequantized`: pagedllm with weights=dequantized (the file dequantized to --dtype at load);
 - `llama_cpp`: llama.cpp through llama-cpp-python, with its defaults plus the thread count its
@@ -18,6 +20,9 @@ Scenarios:
   into batches of n_batch (2,048) tokens, then one token per unfinished sequence per
   `llama_decode`; `--llama-cpp-split-kv` gives each sequence its own share of the cache, as
   llama-server does when `-np N` is given.
+For one request the report also gives the machine's read bandwidth (a 1 GiB tensor summed,
+median of 7), the bytes a token reads (the file's tensors; of an untied embedding table one
+row), the ceiling `bandwidth / bytes` and each engine's decode as a fraction of it.
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
 with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and
 the JSON reports the median with min and max, the ratios per round, the machine and the
@@ -36,7 +41,15 @@ import time
 
 import numpy as np
 
-from pagedllm.benchmarking.compare import alternate, format_spread, machine, package_version, paired_ratio, summarize
+from pagedllm.benchmarking.compare import (
+    alternate,
+    format_spread,
+    machine,
+    package_version,
+    paired_ratio,
+    read_bandwidth_gbs,
+    summarize,
+)
 from pagedllm.benchmarking.datasets import load_workload
 from pagedllm.benchmarking.throughput import print_result
 from pagedllm.config import EngineConfig
@@ -50,6 +63,16 @@ SCENARIOS = ("one-128", "one-1024", "batch-8", "batch-32")
 ONE_REQUEST_OUTPUT = 256
 LLAMA_CPP_N_BATCH = 2048  # llama-server's default logical batch
 WARM_UP_TOKENS = 8
+
+
+def decode_bytes_per_token(path) -> int:
+    """The file's tensor bytes that one decode step reads: all of them, but for an untied
+    embedding table, of which it reads one row."""
+    import gguf as gguf_lib
+
+    tensors = gguf_lib.GGUFReader(str(path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
 def requests_for(scenario: str) -> list[tuple[list[int], int]]:
@@ -218,7 +241,9 @@ def leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
+    parser.add_argument(
+        "--model", default="smollm2", help=f"a bundled model ({', '.join(BUNDLED_MODELS)}) or a .gguf file"
+    )
     parser.add_argument("--scenario", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--engines", nargs="+", default=["native", "dequantized", "llama_cpp"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -232,6 +257,7 @@ def main() -> int:
     parser.add_argument("--output", default=None, help="default: bench-results/llamacpp-<model>.json")
     args = parser.parse_args()
     gguf = resolve_model_path(args.model)
+    label = args.model if args.model in BUNDLED_MODELS else f"{gguf.parent.name}-{gguf.stem}"
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
     configs = {
         w: EngineConfig(model=args.model, dtype=dtype, max_model_len=4096, weights=w, kv_cache_memory="2GiB")
@@ -239,6 +265,12 @@ def main() -> int:
     }
     report: dict = {"model": args.model, "gguf": gguf.name, "dtype": dtype, "repeats": args.repeats}
     report |= {"machine": machine(), "cpu": cpu_summary()}
+    # One stream's ceiling: the machine's read bandwidth over the bytes a token reads.
+    report["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    report["bytes_read_per_token"] = decode_bytes_per_token(gguf)
+    ceiling = report["read_bandwidth_gbs"]["median"] * 1e9 / report["bytes_read_per_token"]
+    report["decode_ceiling_tokens_per_s"] = round(ceiling, 1)
+    print(f"read bandwidth {format_spread('', report['read_bandwidth_gbs'])} GB/s; ceiling {ceiling:.1f} tok/s")
     report["settings"] = {w: dataclasses.asdict(c) for w, c in configs.items()}
     report["settings"]["llama_cpp"] = {
         "version": package_version("llama_cpp_python"), "n_threads": args.threads, "n_batch": LLAMA_CPP_N_BATCH,
@@ -271,12 +303,17 @@ def main() -> int:
                     entry[f"{ours}_vs_{theirs}_leading_tokens_agreeing"] = leading_agreement(
                         streams[ours], streams[theirs]
                     )
+        if len(requests) == 1:  # each engine's one-stream decode as a fraction of the ceiling
+            for name in args.engines:
+                median = entry[name]["decode_tokens_per_s"]["median"]
+                entry[f"{name}_fraction_of_ceiling"] = round(median / ceiling, 3)
+                print(f"{scenario} {name}: {median} tok/s, {median / ceiling:.0%} of the ceiling", flush=True)
         entry["runs"] = runs
         report[scenario] = entry
         for name, figures in entry.items():
             if name.endswith(key):
                 print(format_spread(f"{scenario} {name}", figures), flush=True)
-    print_result(report, args.output or f"bench-results/llamacpp-{args.model}.json")
+    print_result(report, args.output or f"bench-results/llamacpp-{label}.json")
     return 0
 
 

@@ -93,3 +93,22 @@ def paired_ratio(ours: list[dict], theirs: list[dict], key: str, higher_is_bette
 def format_spread(name: str, figures: dict, unit: str = "") -> str:
     """'name: median (min-max) unit', for the line a script prints at the end."""
     return f"{name}: {figures['median']:g} ({figures['min']:g}-{figures['max']:g}){unit}"
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 7) -> dict:
+    """The machine's read bandwidth as one decode step meets it: the median time torch takes to
+    sum a float32 tensor of `gib` GiB (far past every cache) on all of the process's threads,
+    with min and max, in GB/s.  A one-request decode step reads every weight once, so
+    `bandwidth / bytes read per token` is the ceiling on its tokens per second."""
+    import time
+
+    import torch
+
+    values = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    values.sum()  # pages touched, threads started
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values.sum()
+        rates.append(values.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return spread(rates, digits=1) | {"threads": torch.get_num_threads(), "tensor_gib": gib}
