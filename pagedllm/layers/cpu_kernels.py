@@ -714,7 +714,8 @@ def _check_packed(kernel: str, w, panel: int) -> None:
     panels = -(-w.rows // panel) if panel else 0
     expected_qs = (panels, w.cols * panel * w.bits // 8)
     groups = w.cols // w.group if (w.bits, w.group) in ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32)) else -1
-    supers = w.cols // w.super_group if w.super_group > 0 and w.super_group % w.group == 0 else -1
+    per_super = w.super_group // w.group if w.super_group > 0 and w.super_group % w.group == 0 else 0
+    supers = w.cols // w.super_group if per_super and not per_super & (per_super - 1) else -1  # a power of two
     two_level = w.super_group != w.group
 
     def holds(t, dtype, per_row: int) -> bool:

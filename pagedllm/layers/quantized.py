@@ -2,10 +2,12 @@
 
 A `QuantizedWeight` holds a matrix row by row, in blocks of 32 values along the inner
 dimension, each value `scale * (q - zero) + min` for its group of 16 or 32: q in 4 bits
-(from Q4_0, Q4_1, Q4_K), 5 bits (Q5_0, Q5_1, Q5_K) or a signed byte (Q6_K, Q8_0).  The
-models layer builds it from a file's blocks at load (pagedllm/models/gguf_weights.py);
-nothing here knows GGUF.  `pack` turns it into the panel layout the C++ kernels read
-(csrc/quant_gemm.cpp, whose header describes it), and that copy is all the engine keeps.
+(from Q4_0, Q4_1, Q4_K), 5 bits (Q5_0, Q5_1, Q5_K), 6 bits (Q6_K) or a signed byte (Q8_0).
+Scales and mins are the file's own numbers in the file's own widths: float16, times an int8
+sub-scale per group for the K types, so the weight takes the file's bytes.  The models layer
+builds it from a file's blocks at load (pagedllm/models/gguf_weights.py); nothing here knows
+GGUF.  `pack` turns it into the panel layout the C++ kernels read (csrc/quant_gemm.cpp, whose
+header describes it), and that copy is all the engine keeps.
 
 A `QuantizedLinear` runs steps of up to `max_rows` rows on the integer kernels, which
 quantize the activations to signed bytes per block of 32 (as llama.cpp does) and read the
@@ -117,7 +119,10 @@ class QuantizedWeight:
             raise ValueError(f"no quantized layout of {self.bits} bits in groups of {self.group}")
         if self.bits == 8 and self.zero:
             raise ValueError("8-bit values are signed and take no zero point")
-        if self.super_group % self.group or (self.super_group > self.group) != (self.sub_scales is not None):
+        per_super = self.super_group // self.group
+        if self.super_group % self.group or per_super & (per_super - 1):
+            raise ValueError(f"super-groups of {self.super_group} must hold a power of two of groups of {self.group}")
+        if (per_super > 1) != (self.sub_scales is not None):
             raise ValueError(f"sub-scales are given exactly when super-groups ({self.super_group}) hold several groups")
         if self.qs.dtype != torch.uint8 or self.qs.dim() != 2 or self.qs.shape[1] % self.block_bytes:
             raise ValueError(f"quantized values must be uint8 whole blocks, got {self.qs.dtype} {tuple(self.qs.shape)}")

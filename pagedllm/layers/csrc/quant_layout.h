@@ -51,7 +51,7 @@ struct PanelScales {
   const int8_t* sub_scales;
   const uint16_t* mins;
   const int8_t* sub_mins;
-  int64_t per_super;  // groups per super-group
+  int super_shift;  // log2 of the groups per super-group (1, 8 or 16: a shift, not a division per group)
 
   PanelScales(const QuantWeight& w, int64_t panel) {
     const int64_t groups = w.cols / w.group, supers = w.cols / w.super_group;
@@ -59,10 +59,10 @@ struct PanelScales {
     sub_scales = w.sub_scales == nullptr ? nullptr : w.sub_scales + panel * groups * kPanel;
     mins = w.mins == nullptr ? nullptr : w.mins + panel * supers * kPanel;
     sub_mins = w.sub_mins == nullptr ? nullptr : w.sub_mins + panel * groups * kPanel;
-    per_super = w.super_group / w.group;
+    super_shift = __builtin_ctzll(static_cast<uint64_t>(w.super_group / w.group));
   }
   // Offsets of group g's vector of kPanel super scales and sub-scales.
-  int64_t super_at(int64_t g) const { return (g / per_super) * kPanel; }
+  int64_t super_at(int64_t g) const { return (g >> super_shift) * kPanel; }
   float scale(int64_t g, int64_t c) const {
     const float s = to_float(f16{scales[super_at(g) + c]});
     return sub_scales == nullptr ? s : s * static_cast<float>(sub_scales[g * kPanel + c]);
