@@ -14,6 +14,8 @@ Scenarios:
 - `one-128`, `one-1024`: one request, a prompt of 128 or 1,024 tokens (the random-128 workload's
   ids, concatenated), 256 tokens out, timed token by token: time to first token, then the mean
   gap between tokens (decode tok/s).  llama.cpp runs it through `Llama.generate`.
+- `prompt-512`, `prompt-2048`: one request of 512 or 2,048 prompt tokens, 8 out: time to first
+  token is the figure compared (llama.cpp with llama-cpp-python's default n_batch, 512).
 - `batch-8`, `batch-32`: the first 8 or 32 requests of sharegpt-like-160, all at once; output
   tok/s over the wall time.  llama.cpp runs them through its batch API as its server does with
   several slots: one context with a sequence per request and a unified KV cache, prompts packed
@@ -24,7 +26,8 @@ For one request the report also gives the machine's read bandwidth (a 1 GiB tens
 median of 7), the bytes a token reads (the file's tensors; of an untied embedding table one
 row), the ceiling `bandwidth / bytes` and each engine's decode as a fraction of it.
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
-with at most 8 tokens out (warm-up) and once timed; rounds rotate which engine goes first, and
+with at most 8 tokens out (warm-up, on prompts whose first token differs, so that the timed run
+finds none of its prompt already computed) and once timed; rounds rotate which engine goes first, and
 the JSON reports the median with min and max, the ratios per round, the machine and the
 versions.  The token streams are compared too (leading tokens that agree).  Results go to
 bench-results/ unless --output says.
@@ -59,8 +62,9 @@ from pagedllm.execution.device import resolve_dtype
 from pagedllm.layers.cpu_kernels import cpu_summary
 from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 
-SCENARIOS = ("one-128", "one-1024", "batch-8", "batch-32")
+SCENARIOS = ("one-128", "one-1024", "prompt-512", "prompt-2048", "batch-8", "batch-32")
 ONE_REQUEST_OUTPUT = 256
+PROMPT_OUTPUT = 8  # the prompt-N scenarios: time to first token is their figure
 LLAMA_CPP_N_BATCH = 2048  # llama-server's default logical batch
 WARM_UP_TOKENS = 8
 
@@ -77,15 +81,24 @@ def decode_bytes_per_token(path) -> int:
 
 def requests_for(scenario: str) -> list[tuple[list[int], int]]:
     """(prompt ids, output tokens) of each request of a scenario."""
-    if scenario.startswith("one-"):
-        length = int(scenario.removeprefix("one-"))
+    if scenario.startswith(("one-", "prompt-")):
+        kind, length = scenario.split("-")
         ids = [t for r in load_workload("benchmarks/workloads/random-128.jsonl", 128) for t in r["prompt_token_ids"]]
-        return [(ids[:length], ONE_REQUEST_OUTPUT)]
+        if len(ids) < int(length):
+            raise ValueError(f"random-128.jsonl holds {len(ids)} prompt tokens, fewer than {scenario} needs")
+        return [(ids[: int(length)], ONE_REQUEST_OUTPUT if kind == "one" else PROMPT_OUTPUT)]
     count = int(scenario.removeprefix("batch-"))
     return [
         (r["prompt_token_ids"], r["max_tokens"])
         for r in load_workload("benchmarks/workloads/sharegpt-like-160.jsonl", count)
     ]
+
+
+def warm_up_prompt(prompt: list[int]) -> list[int]:
+    """The prompt with its first token changed: a warm-up on it shares no prefix with the timed
+    run, so neither engine's timed run finds its prompt already computed (pagedllm's prefix
+    cache, llama.cpp's reuse of the context's tokens)."""
+    return [prompt[0] ^ 1, *prompt[1:]]
 
 
 def token_figures(stamps: list[float], start: float, tokens: list[int]) -> dict:
@@ -111,7 +124,8 @@ def run_pagedllm(config: EngineConfig, requests: list[tuple[list[int], int]]) ->
             stamps: list[float] = []
             start = time.perf_counter()
             for i, (prompt, max_tokens) in enumerate(requests):
-                max_tokens = min(max_tokens, WARM_UP_TOKENS) if round_ == "warm-up" else max_tokens
+                if round_ == "warm-up":
+                    prompt, max_tokens = warm_up_prompt(prompt), min(max_tokens, WARM_UP_TOKENS)
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                 engine.add_request(prompt, params, request_id=f"{round_}-{i}")
                 streams[f"{round_}-{i}"] = []
@@ -144,11 +158,11 @@ def run_llamacpp(
         prompt, max_tokens = requests[0]
         llm = llama_cpp.Llama(path, n_ctx=len(prompt) + max_tokens + 8, n_threads=threads, seed=0, verbose=False)
         startup = time.perf_counter() - begin
-        for limit in (WARM_UP_TOKENS, max_tokens):  # a warm-up run, then the timed one
+        for ids, limit in ((warm_up_prompt(prompt), WARM_UP_TOKENS), (prompt, max_tokens)):  # warm-up, timed
             stamps: list[float] = []
             tokens: list[int] = []
             start = time.perf_counter()
-            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not special here
+            for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy; EOS is not special here
                 stamps.append(time.perf_counter())
                 tokens.append(int(token))
                 if len(tokens) == limit:
@@ -157,9 +171,9 @@ def run_llamacpp(
         return {"startup_s": round(startup, 2), "threads": threads} | token_figures(stamps, start, tokens), [tokens]
     batched = LlamaCppBatch(path, requests, threads, unified)
     startup = time.perf_counter() - begin
-    for limit in (WARM_UP_TOKENS, None):
+    for warm_up, limit in ((True, WARM_UP_TOKENS), (False, None)):
         start = time.perf_counter()
-        tokens, stamps = batched.run(limit)
+        tokens, stamps = batched.run(limit, warm_up)
     batched.close()
     return {"startup_s": round(startup, 2), "threads": threads} | summary(stamps, start, tokens), tokens
 
@@ -200,13 +214,15 @@ class LlamaCppBatch:
     def _argmax(self, i: int) -> int:
         return int(np.argmax(np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), (self.n_vocab,))))
 
-    def run(self, limit: int | None = None) -> tuple[list[list[int]], list[float]]:
-        """Every request to its output length (at most `limit` tokens each)."""
+    def run(self, limit: int | None = None, warm_up: bool = False) -> tuple[list[list[int]], list[float]]:
+        """Every request to its output length (at most `limit` tokens each); `warm_up`: on the
+        warm-up prompts."""
         self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
         tokens: list[list[int]] = [[] for _ in self.requests]
         stamps: list[float] = []
         pending: list[tuple[int, int, int, bool]] = []  # prompts, packed into batches of n_batch
         for seq, (prompt, _) in enumerate(self.requests):
+            prompt = warm_up_prompt(prompt) if warm_up else prompt
             pending += [(t, pos, seq, pos == len(prompt) - 1) for pos, t in enumerate(prompt)]
         for first in range(0, len(pending), LLAMA_CPP_N_BATCH):
             chunk = pending[first : first + LLAMA_CPP_N_BATCH]
@@ -294,16 +310,18 @@ def main() -> int:
 
         runs = alternate({name: engine_run(name) for name in args.engines}, args.repeats, log=print)
         key = "decode_tokens_per_s" if len(requests) == 1 else "output_tokens_per_s"
+        key = "ttft_s" if scenario.startswith("prompt-") else key
         entry: dict = {"requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests)}
         entry |= {name: summarize(runs[name], FIGURES) for name in args.engines}
         for ours in ("native", "dequantized"):
             for theirs in args.engines:
                 if ours in runs and theirs != ours and not (ours == "dequantized" and theirs == "native"):
-                    entry[f"{ours}_over_{theirs}_{key}"] = paired_ratio(runs[ours], runs[theirs], key)
+                    higher_is_better = key != "ttft_s"
+                    entry[f"{ours}_over_{theirs}_{key}"] = paired_ratio(runs[ours], runs[theirs], key, higher_is_better)
                     entry[f"{ours}_vs_{theirs}_leading_tokens_agreeing"] = leading_agreement(
                         streams[ours], streams[theirs]
                     )
-        if len(requests) == 1:  # each engine's one-stream decode as a fraction of the ceiling
+        if scenario.startswith("one-"):  # each engine's one-stream decode as a fraction of the ceiling
             for name in args.engines:
                 median = entry[name]["decode_tokens_per_s"]["median"]
                 entry[f"{name}_fraction_of_ceiling"] = round(median / ceiling, 3)

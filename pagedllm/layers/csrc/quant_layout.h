@@ -53,13 +53,17 @@ struct PanelScales {
   const int8_t* sub_mins;
   int super_shift;  // log2 of the groups per super-group (1, 8 or 16: a shift, not a division per group)
 
+  // Group and super-group sizes are powers of two (the callers check): shifts, not divisions,
+  // since the tile kernel makes one of these per block.
   PanelScales(const QuantWeight& w, int64_t panel) {
-    const int64_t groups = w.cols / w.group, supers = w.cols / w.super_group;
+    const int group_shift = __builtin_ctzll(static_cast<uint64_t>(w.group));
+    const int super_group_shift = __builtin_ctzll(static_cast<uint64_t>(w.super_group));
+    const int64_t groups = w.cols >> group_shift, supers = w.cols >> super_group_shift;
     scales = w.scales + panel * supers * kPanel;
     sub_scales = w.sub_scales == nullptr ? nullptr : w.sub_scales + panel * groups * kPanel;
     mins = w.mins == nullptr ? nullptr : w.mins + panel * supers * kPanel;
     sub_mins = w.sub_mins == nullptr ? nullptr : w.sub_mins + panel * groups * kPanel;
-    super_shift = __builtin_ctzll(static_cast<uint64_t>(w.super_group / w.group));
+    super_shift = super_group_shift - group_shift;
   }
   // Offsets of group g's vector of kPanel super scales and sub-scales.
   int64_t super_at(int64_t g) const { return (g >> super_shift) * kPanel; }
