@@ -172,9 +172,10 @@ def _older_instruction_sets() -> list[str]:
     return ["haswell"] + (["skylake-avx512"] if "avx512f" in cpu_flags().split() else [])
 
 
+@pytest.mark.builds_own_kernels
 @pytest.mark.parametrize("march", _older_instruction_sets())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path):
+def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch):
     """Built for AVX2 only (`haswell`: AVX2 intrinsics, or plain C++ loops) or AVX-512 without AVX512-BF16
     (`skylake-avx512`: bfloat16 converted to float32), the kernels take the paths those CPUs
     run; they must agree with the reference too."""
@@ -183,7 +184,6 @@ def test_plain_cpp_paths_match_the_reference(march, dtype, monkeypatch, tmp_path
     import pagedllm.layers.attention as attention_module
     from pagedllm.layers.cpu_kernels import CpuKernels, build_library
 
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
     assert plain.packed_gemm_max_rows[torch.bfloat16] == 0  # no AVX512-BF16 in either build
     if dtype == torch.float32:  # the small-batch packed GEMM's plain (or AVX-512F) loop
@@ -210,8 +210,9 @@ def check_float16_cache(shapes, window=16):
     torch.testing.assert_close(cpp_attention(q, cache, meta, window), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.builds_own_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v2 (no F16C): x86 only")
-def test_float16_cache_without_f16c(monkeypatch, tmp_path):
+def test_float16_cache_without_f16c(monkeypatch):
     """Built without F16C (x86-64-v2, as for CPUs or architectures without it), float16 keys and
     values convert in plain arithmetic: attention on them and the rotary write into the cache
     (float32 rounded to nearest even, subnormals, overflow to infinity) agree with torch."""
@@ -220,7 +221,6 @@ def test_float16_cache_without_f16c(monkeypatch, tmp_path):
     import pagedllm.layers.attention as attention_module
     from pagedllm.layers.cpu_kernels import CpuKernels, build_library
 
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library("x86-64-v2"))))
     monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
     check_float16_cache(RAGGED + [(300, 1)])
@@ -238,7 +238,8 @@ def test_float16_cache_without_f16c(monkeypatch, tmp_path):
     assert torch.equal(written, qkv[:, cols:].half())
 
 
-def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch, tmp_path):
+@pytest.mark.builds_own_kernels
+def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch):
     """Where the CPU has AMX-BF16, the bfloat16 prefill kernel runs on the tile unit; built for
     `cooperlake` (AVX512-BF16, no AMX) the same kernel takes its `vdpbf16ps` path.  Both agree with
     the reference and with each other, over head dims 64/128/256, windows, grouped heads, block
@@ -251,7 +252,6 @@ def test_amx_prefill_agrees_with_the_vdpbf16ps_path(monkeypatch, tmp_path):
     native = load_cpu_kernels()
     if native is None or not native.amx_tiles or "avx512_bf16" not in cpu_flags().split():
         pytest.skip("no AMX-BF16 here: the tile path is not built")
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     no_amx = CpuKernels(ctypes.CDLL(str(build_library("cooperlake"))))
     assert no_amx.native_bf16 and not no_amx.amx_tiles
     shapes = [(0, 1), (0, 7), (0, 33), (5, 12), (40, 70), (0, 200), (130, 1), (17, 95)]

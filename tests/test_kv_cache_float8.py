@@ -123,11 +123,11 @@ def _other_builds() -> list[str]:
     return ["haswell", "x86-64-v2"] + (["skylake-avx512"] if "avx512f" in cpu_flags().split() else [])
 
 
+@pytest.mark.builds_own_kernels
 @pytest.mark.parametrize("march", _other_builds())
-def test_other_builds_read_and_write_float8_alike(march, monkeypatch, tmp_path):
+def test_other_builds_read_and_write_float8_alike(march, monkeypatch):
     import pagedllm.layers.attention as attention_module
 
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     plain = CpuKernels(ctypes.CDLL(str(build_library(march))))
     monkeypatch.setattr(attention_module, "load_cpu_kernels", lambda: plain)
     for dtype in (torch.float32, torch.bfloat16):
