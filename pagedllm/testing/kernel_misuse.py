@@ -61,10 +61,15 @@ def _packed(k: CpuKernels, rows: int = 64, cols: int = 64) -> PackedWeight:
     return pack(repack(raw, "Q4_0", rows, cols), k.quant_panel_width, k.quant_unsigned8)
 
 
-def _quant_gemm(k: CpuKernels, x_cols: int = 64, out_cols: int = 64, truncate_qs: bool = False) -> None:
+def _quant_gemm(
+    k: CpuKernels, x_cols: int = 64, out_cols: int = 64, truncate_qs: bool = False, **changes: object
+) -> None:
+    """`changes`: fields of the packed weight replaced (scales of another type, a part left out)."""
     w = _packed(k)
     if truncate_qs:
         w = dataclasses.replace(w, qs=w.qs[:, : w.qs.shape[1] // 2].contiguous())
+    if changes:
+        w = dataclasses.replace(w, **changes)
     k.quant_gemm(torch.randn(3, x_cols), w, torch.empty(3, out_cols))
 
 
@@ -100,6 +105,8 @@ WRONG_CALLS: dict[str, Callable[[CpuKernels], None]] = {
     "quant_gemm: x of another width": lambda k: _quant_gemm(k, x_cols=32),
     "quant_gemm: out narrower than the weight": lambda k: _quant_gemm(k, out_cols=32),
     "quant_gemm: a weight's values cut short": lambda k: _quant_gemm(k, truncate_qs=True),
+    "quant_gemm: scales widened to float32": lambda k: _quant_gemm(k, scales=_packed(k).scales.float()),
+    "quant_gemm: super-groups without their sub-scales": lambda k: _quant_gemm(k, super_group=256),
     "dequantize_rows: a row past the weight": lambda k: _dequantize_rows(k, _ids(0, 64)),
     "mask_rows: a row past x": lambda k: k.mask_rows(torch.randn(2, 64), torch.zeros(1, 2, dtype=torch.int32), [2]),
 }
