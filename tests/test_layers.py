@@ -115,3 +115,31 @@ def test_the_memory_core_needs_no_torch(module):
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module.split(".")[0])
     assert "torch" not in names and "numpy" not in names
+
+
+def test_importing_pagedllm_and_its_memory_core_loads_no_torch():
+    """At run time, not only by the import statements: `import pagedllm` loads its public names
+    on first use, so the memory core, the settings and the sampling parameters come without
+    torch; asking for `LLM` brings it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import pagedllm\n"
+        "import pagedllm.core.block_pool, pagedllm.core.kv_cache_manager, pagedllm.core.scheduler\n"
+        "from pagedllm import EngineConfig, RequestOutput, SamplingParams, StructuredOutput\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "from pagedllm import LLM\n"
+        "assert 'torch' in sys.modules and LLM.__name__ == 'LLM'\n"
+        "try:\n"
+        "    pagedllm.NoSuchName\n"
+        "except AttributeError as error:\n"
+        "    assert 'NoSuchName' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('no error for an unknown name')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
