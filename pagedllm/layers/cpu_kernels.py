@@ -119,6 +119,9 @@ def kernel_key(dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype | tuple
 
 
 PANEL = 32  # output columns per panel of a weight packed for `packed_gemm`
+# (bits, group) pairs the quantized kernels take (csrc/quant_gemm.cpp): Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/
+# Q5_K, Q6_K, Q8_0, and 8-bit in groups of 16.
+QUANT_LAYOUTS = ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32))
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # the head sizes the attention kernels are compiled for
 
 
@@ -713,7 +716,7 @@ def _check_packed(kernel: str, w, panel: int) -> None:
         return
     panels = -(-w.rows // panel) if panel else 0
     expected_qs = (panels, w.cols * panel * w.bits // 8)
-    groups = w.cols // w.group if (w.bits, w.group) in ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32)) else -1
+    groups = w.cols // w.group if (w.bits, w.group) in QUANT_LAYOUTS else -1
     per_super = w.super_group // w.group if w.super_group > 0 and w.super_group % w.group == 0 else 0
     supers = w.cols // w.super_group if per_super and not per_super & (per_super - 1) else -1  # a power of two
     two_level = w.super_group != w.group

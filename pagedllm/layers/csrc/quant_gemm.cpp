@@ -358,32 +358,28 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
         }
         if (Group == 16 && j == 3) fold_first_half();
       }
-    } else if constexpr (Group == 32) {  // quads j and j + 4 share a load of nibbles
-      for (int j = 0; j < 4; ++j) {
-        const typename V::I lo = small_quad<Bits>(blk, j), hi = small_quad<Bits>(blk, j + 4);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* row = rows + r * kBlock;
-          sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
-          sum[r] = V::dot(sum[r], hi, V::broadcast(row + 16 + 4 * j));
-        }
-      }
-    } else if constexpr (R <= kTileRows / 2) {
-      // Groups of 16 with registers to spare: quads j and j + 4 share their loads, into a second
-      // set of sums for the second group (two independent chains of multiply-adds).
+    } else if constexpr (Group == 32 || R <= kTileRows / 2) {
+      // Quads j and j + 4 share their loads.  In groups of 16 (with registers to spare) quads
+      // 4..7 go to a second set of sums, the second group's: two independent chains.
+      constexpr bool kTwoGroups = Group == 16;
       typename V::I second[R];
-      for (int r = 0; r < R; ++r) second[r] = V::set32(z + m + r);
+      if constexpr (kTwoGroups)
+        for (int r = 0; r < R; ++r) second[r] = V::set32(z + m + r);
+      typename V::I* high = kTwoGroups ? second : sum;
       for (int j = 0; j < 4; ++j) {
         const typename V::I lo = small_quad<Bits>(blk, j), hi = small_quad<Bits>(blk, j + 4);
         for (int r = 0; r < R; ++r) {
           const int8_t* row = rows + r * kBlock;
           sum[r] = V::dot(sum[r], lo, V::broadcast(row + 4 * j));
-          second[r] = V::dot(second[r], hi, V::broadcast(row + 16 + 4 * j));
+          high[r] = V::dot(high[r], hi, V::broadcast(row + 16 + 4 * j));
         }
       }
-      const typename V::F scale = scale_vector(ps, 2 * b);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
-        sum[r] = second[r];
+      if constexpr (kTwoGroups) {
+        const typename V::F scale = scale_vector(ps, 2 * b);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
+          sum[r] = second[r];
+        }
       }
     } else {  // groups of 16: quads 0..3, then 4..7
       for (int j = 0; j < 8; ++j) {
