@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -58,7 +59,6 @@ def check_chat_template(model: str | None) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from pagedllm.engine import LLMEngine
 
@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_positional
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
-    config = engine_config(args)
+    config = dataclasses.replace(engine_config(args), record_kv_events=args.kv_events)
     if args.data_parallel_size > 1 or args.ray_address is not None:
         from pagedllm.replicas.serve import serve_data_parallel
 

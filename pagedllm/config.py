@@ -137,6 +137,9 @@ class EngineConfig:
         kind="bool",
         off_flag="--no-prefix-caching",
     )
+    # The prefix cache's stored and evicted block keys kept for KVCache.drain_events(): what a
+    # data-parallel replica's `GET /kv_events` serves its router (`pagedllm serve --kv-events`).
+    record_kv_events: bool = setting(False, "record the prefix cache's block events", kind="bool", cli=False)
     # The default can be turned off for a whole process tree with PAGEDLLM_COMMIT_KV_CACHE=0: the test
     # suite holds many engines of the default 4 GiB at once, which committed would not fit its machine.
     commit_kv_cache: bool = setting(

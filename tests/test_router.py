@@ -34,11 +34,10 @@ def test_the_pool_reports_what_it_stores_and_evicts_in_order():
 
 
 def test_the_router_computes_the_keys_the_cache_names_its_blocks_by():
-    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
-    kv.pool.record_events = True
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, record_events=True)
     prompt = list(range(1, 12))  # 2 full blocks (the third would end with the last token... not full)
     cached_on(kv, "a", prompt)
-    stored = [key for is_stored, key in kv.pool.drain_events() if is_stored]
+    stored = [key for is_stored, key in kv.drain_events() if is_stored]
     assert stored == prompt_block_keys(prompt + [99], BS, root_key())[:2]
     salted = prompt_block_keys(prompt + [99], BS, root_key(request_salt=b"rope:long"))
     assert set(salted).isdisjoint(stored)

@@ -50,12 +50,12 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         scheduler.num_forks,
         scheduler.num_cow_copies,
     )
-    pool = getattr(engine.kv_cache, "pool", None)  # the contiguous layout has none
-    evictions_before = pool.num_evictions if pool is not None else None
+    kv = engine.kv_cache
+    evictions_before = kv.num_prefix_evictions if kv.supports_prefix_caching else None
     engine.stats.peak_running = engine.stats.kv_peak_blocks_used = 0
     engine.memory.reset(engine.scheduler)
     message_bytes_before = engine.runner.step_message_bytes
-    freed_before = getattr(engine.kv_cache, "num_blocks_freed_by_window", 0)
+    freed_before = engine.kv_cache.num_blocks_freed_by_window
     spec_before = dataclasses.replace(engine.speculation.stats) if engine.speculation is not None else None
     output_tokens = 0
     ttfts = []
@@ -86,7 +86,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
         "kv_peak_blocks_used": engine.stats.kv_peak_blocks_used,
         # Bytes of KV the busiest step held, every layer (and rank) counted.
         "kv_bytes_peak": engine.stats.kv_peak_blocks_used * engine.kv_block_bytes,
-        "kv_blocks_freed_by_window": getattr(engine.kv_cache, "num_blocks_freed_by_window", 0) - freed_before,
+        "kv_blocks_freed_by_window": engine.kv_cache.num_blocks_freed_by_window - freed_before,
         "layer_groups": engine.layer_groups.describe(),
         "block_size": engine.config.block_size,
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -139,10 +139,9 @@ def prefix_cache_stats(engine: LLMEngine, before: tuple[int, ...], evictions_bef
         "prefix_cache_hit_rate": round(hit / queried, 4) if queried else 0.0,
     }
     if evictions_before is not None:
-        pool = engine.kv_cache.pool
         stats |= {
-            "prefix_cache_evictions": pool.num_evictions - evictions_before,
-            "kv_cached_blocks": pool.num_cached_blocks,
+            "prefix_cache_evictions": engine.kv_cache.num_prefix_evictions - evictions_before,
+            "kv_cached_blocks": engine.kv_cache.num_cached_blocks,
         }
     return stats
 

@@ -40,6 +40,9 @@ class ContiguousKVCacheManager:
         self.holes: list[tuple[int, int]] = [(0, num_blocks)]
         self.block_tables: dict[str, list[int]] = {}
         self.num_fragmentation_waits = 0
+        # One block table slot per block of tokens (no layer groups), nothing freed by window.
+        self.num_groups = 1
+        self.num_blocks_freed_by_window = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,6 +55,17 @@ class ContiguousKVCacheManager:
     @property
     def num_tokens_capacity(self) -> int:
         return self.num_blocks * self.block_size
+
+    # No prefix cache: sharing needs blocks that can sit in several tables.
+    supports_prefix_caching = False
+    num_cached_blocks = 0
+    num_prefix_evictions = 0
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        return []
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

@@ -75,6 +75,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         cache_salt: bytes = b"",
         group_windows: tuple[int, ...] = (0,),
+        record_events: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -88,6 +89,8 @@ class KVCacheManager:
         self._freed_upto: dict[str, list[int]] = {}
         self.num_blocks_freed_by_window = 0
         self.pool = BlockPool(num_blocks)
+        # Block keys stored and evicted, kept for drain_events() (the data-parallel router's feed).
+        self.pool.record_events = record_events
         self.block_tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         # Keys of each request's leading full blocks, as far as they have been named.
@@ -103,6 +106,28 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def supports_prefix_caching(self) -> bool:
+        return self.enable_prefix_caching
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a keyed prefix (reusable until a fresh block is needed)."""
+        return self.pool.num_cached_blocks
+
+    @property
+    def num_prefix_evictions(self) -> int:
+        return self.pool.num_evictions
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (no request may hold blocks)."""
+        self.pool.reset_prefix_cache()
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """Block keys stored (True) and evicted (False) since the last call, oldest first; empty
+        unless the cache was made with `record_events`."""
+        return self.pool.drain_events()
 
     @property
     def num_free_blocks(self) -> int:

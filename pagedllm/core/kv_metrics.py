@@ -67,7 +67,7 @@ def sample_memory(scheduler: Scheduler, step: int, time_s: float, memory_bound: 
     unshared = 0
     seen: set[int] = set()
     shared: set[int] = set()
-    groups = getattr(kv, "num_groups", 1)
+    groups = kv.num_groups
     for request in scheduler.running:
         table = kv.block_table(request.request_id)
         unshared += len(table) - table.count(FREED)

@@ -27,8 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache import KVCache
 from pagedllm.core.request import FinishReason, Request, RequestStatus
 from pagedllm.core.speculation import Speculation
 
@@ -81,10 +80,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-# Either KV layout: both hand out block tables and answer the same questions.
-KVCache = KVCacheManager | ContiguousKVCacheManager
 
 
 class Scheduler:

@@ -117,7 +117,11 @@ class LLMEngine:
             self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
         else:
             self.kv_cache = KVCacheManager(
-                num_blocks, config.block_size, config.enable_prefix_caching, group_windows=built.groups.windows
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                group_windows=built.groups.windows,
+                record_events=config.record_kv_events,
             )
         rotary = built.model.rotary
         self.speculation = self._speculation(config)
@@ -258,9 +262,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget the prefix cache's contents (no request may be running): the next prompts are
         computed in full, as on a fresh engine (a benchmark's runs of the same prompts)."""
-        pool = getattr(self.kv_cache, "pool", None)
-        if pool is not None:
-            pool.reset_prefix_cache()
+        self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

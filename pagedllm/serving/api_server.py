@@ -78,10 +78,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         ("GET", "/dashboard", handlers.dashboard),
         ("GET", "/dashboard/state", handlers.dashboard_state),
     ]
-    if settings.kv_events:
-        pool = getattr(engine.engine.kv_cache, "pool", None)  # the contiguous layout has no prefix cache
-        if pool is not None:
-            pool.record_events = True  # before the engine thread starts: nothing else touches it yet
+    if settings.kv_events:  # the engine records them when made with record_kv_events
         routes.append(("GET", "/kv_events", handlers.kv_events))
     for method, path, handler in routes:
         app.add_api_route(path, handler, methods=[method])

@@ -12,7 +12,6 @@ from pagedllm.engine import LLMEngine
 def engine_state(engine: LLMEngine) -> dict:
     """Counters and the KV cache's occupancy, as the stats endpoint reports them."""
     scheduler, kv = engine.scheduler, engine.kv_cache
-    pool = getattr(kv, "pool", None)
     queried = scheduler.prefix_cache_queried_tokens
     return {
         "running": len(scheduler.running),
@@ -25,14 +24,14 @@ def engine_state(engine: LLMEngine) -> dict:
             "num_blocks": kv.num_blocks,
             "used_blocks": kv.num_used_blocks,
             "free_blocks": kv.num_free_blocks,
-            "cached_blocks": pool.num_cached_blocks if pool is not None else 0,
+            "cached_blocks": kv.num_cached_blocks,
         },
         "prefix_cache_hit_rate": scheduler.prefix_cache_hit_tokens / queried if queried else 0.0,
         "prefix_cache_queried_tokens": queried,
         "prefix_cache_hit_tokens": scheduler.prefix_cache_hit_tokens,
         "forks": scheduler.num_forks,
         # Sliding-window layers' blocks given back while their requests ran (core/layer_groups.py).
-        "kv_blocks_freed_by_window": getattr(kv, "num_blocks_freed_by_window", 0),
+        "kv_blocks_freed_by_window": kv.num_blocks_freed_by_window,
         "layer_groups": engine.layer_groups.describe(),
         "cow_copies": scheduler.num_cow_copies,
         # Speculative decoding's counters (core/speculation.py); None when it is off.

@@ -258,8 +258,7 @@ class Handlers:
         self.check_key(request)
 
         def drain(engine: Any) -> dict:
-            pool = getattr(engine.kv_cache, "pool", None)
-            events = [] if pool is None else pool.drain_events()
+            events = engine.kv_cache.drain_events()
             return {"block_size": engine.kv_cache.block_size, "events": [[int(s), k.hex()] for s, k in events]}
 
         return await self.engine_call(drain)
