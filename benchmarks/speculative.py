@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 from pagedllm.benchmarking.datasets import load_workload
-from pagedllm.benchmarking.throughput import speculation_stats
 from pagedllm.config import EngineConfig
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.speculation import Speculation
@@ -101,7 +100,7 @@ def grounded_requests(tokenizer, num: int, max_tokens: int, dataset: str | None)
 
 def run(engine: LLMEngine, requests: list[dict], temperature: float, ignore_eos: bool, together: bool) -> dict:
     """Output tokens, wall time and decode time of `requests` (together, or one at a time)."""
-    spec_before = dataclasses.replace(engine.speculation.stats) if engine.speculation is not None else None
+    before = engine.begin_run()
     groups = [requests] if together else [[r] for r in requests]
     tokens: dict[str, list[int]] = {}
     wall = decode_time = 0.0
@@ -137,7 +136,7 @@ def run(engine: LLMEngine, requests: list[dict], temperature: float, ignore_eos:
         "output_tok_s": output_tokens / wall,
         "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
         "peak_running": peak,
-        "speculation": speculation_stats(engine, spec_before),
+        "speculation": engine.run_report(before)["speculation"],
     }
 
 

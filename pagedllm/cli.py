@@ -148,12 +148,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         "; API key required" if settings.api_key else "",
     )
-    workers = engine.engine.workers
-    if workers is not None:  # a dead tensor-parallel rank ends the server rather than leaving it half alive
-        workers.on_failure.append(lambda error: setattr(server, "should_exit", True))
+    # A dead tensor-parallel rank ends the server rather than leaving it half alive.
+    engine.on_worker_failure(lambda error: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
-    if workers is not None and workers.failure is not None:
-        print(f"pagedllm: error: {workers.failure}", file=sys.stderr)
+    if engine.worker_failure is not None:
+        print(f"pagedllm: error: {engine.worker_failure}", file=sys.stderr)
         exit_now(1)
     exit_now(0)
     return 0

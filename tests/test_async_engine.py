@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,9 +18,9 @@ class StandInEngine:
     def __init__(self, steps_per_request: int = 50) -> None:
         self.open: dict[str, list[int]] = {}
         self.steps_per_request = steps_per_request
-        self.scheduler = SimpleNamespace(waiting=[])
         self.groups = self.open
-        self.kv_cache = SimpleNamespace(num_used_blocks=0)
+        self.num_waiting = 0
+        self.num_kv_blocks_used = 0
         self.fail_at: int | None = None
         self.steps = 0
         self.step_gate = threading.Event()  # cleared: the next step waits inside `step` for it

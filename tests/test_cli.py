@@ -275,7 +275,8 @@ def test_engine_flags_give_another_process_the_same_config(changes, command):
     parsed = engine_config(build_parser().parse_args([command, *extra, *engine_flags(config)]))
     assert parsed == config
     offered = {f.name for f in engine_fields()}
-    assert offered == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
+    # record_kv_events is set by `serve --kv-events`, a server flag
+    assert offered == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed", "record_kv_events"}
 
 
 def test_generate_exits_nonzero_when_its_request_fails(monkeypatch, capsys):
@@ -311,7 +312,7 @@ def test_a_bundled_model_answers_to_its_cli_name_too():
     assert model_aliases("gemma3-270m", None) == ("gemma3-270m",)
     assert model_aliases(None, None) == ("smollm2",)
     assert model_aliases("gemma3-270m", "mine") == () and model_aliases("/models/x.gguf", None) == ()
-    engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=8, model_config=SimpleNamespace(vocab_size=8)))
+    engine = SimpleNamespace(info=SimpleNamespace(max_model_len=8, vocab_size=8))
     handlers = Handlers(engine, None, None, None, ServerSettings("gemma-3-270m", model_aliases=("gemma3-270m",)))
     handlers.check_model("gemma-3-270m")
     handlers.check_model("gemma3-270m")

@@ -143,3 +143,26 @@ def test_importing_pagedllm_and_its_memory_core_loads_no_torch():
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# The engine's parts: only engine/ (and the layers below it, which the engine assembles) reads
+# them; everything above goes through LLMEngine's own methods and EngineInfo.  testing/ builds
+# transformers references by driving the runner and cache directly, on purpose.
+ENGINE_PARTS = {"scheduler", "kv_cache", "runner", "output_processor", "intake", "table", "memory", "stats", "workers"}
+INSIDE_THE_ENGINE = ("engine/", "core/", "execution/", "distributed/", "testing/")
+
+
+def test_no_module_above_the_engine_reads_its_parts():
+    reads = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name.startswith(INSIDE_THE_ENGINE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = ast.unparse(node.value).split(".")[-1]
+            # engine.scheduler, self.engine.kv_cache, ...; and AsyncLLMEngine's engine.engine
+            if owner == "engine" and (node.attr in ENGINE_PARTS or node.attr == "engine"):
+                reads.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert reads == [], "go through LLMEngine's methods or EngineInfo:\n" + "\n".join(reads)

@@ -52,7 +52,7 @@ def run_compare(
     for setting, config in zip(settings, configs):
         with LLMEngine(config) as engine:
             results[setting.name] = run_on_engine(engine, requests, ignore_eos, desc=setting.name)
-            series[setting.name] = engine.memory.rows()
+            series[setting.name] = engine.kv_memory_rows()
         del engine
         gc.collect()
         write_series(report / f"series-{setting.name}.csv", series[setting.name])

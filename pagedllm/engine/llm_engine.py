@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +16,14 @@ from pagedllm.core.kv_metrics import KVMemoryTracker
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.request import Request
 from pagedllm.core.request_group import RequestGroup
-from pagedllm.core.sampling_params import SamplingParams, StructuredOutput
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.speculation import Speculation, StepCost
 from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
 from pagedllm.engine.intake import RequestIntake
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
+from pagedllm.engine.state import EngineInfo, RunCounters, begin_run, engine_state, kv_picture, run_report
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import build_rank_model
 from pagedllm.execution.step_cost import measure_step_cost
@@ -195,6 +197,18 @@ class LLMEngine:
         self.memory = KVMemoryTracker()
         self._step_failures = 0  # forward-pass failures in a row
         self._step_error = ""
+        self.info = EngineInfo(
+            model_path=str(built.path),
+            max_model_len=self.max_model_len,
+            vocab_size=model_config.vocab_size,
+            eos_token_id=self.eos_token_id,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            kv_layout=config.kv_layout,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
 
     def _speculation(self, config: EngineConfig) -> Speculation | None:
         if config.speculative == "off":
@@ -250,10 +264,57 @@ class LLMEngine:
         fork from one computed prompt."""
         return self.intake.add_request(prompt, params or SamplingParams(), request_id)
 
-    def prepare_structured_output(self, spec: StructuredOutput) -> None:
-        """Compile a constraint and build its first matcher now, on the calling thread (any thread), so
-        that adding the request later costs a copy: a big schema's matcher takes seconds to build."""
-        self.runner.structured.prepare(spec)
+    @property
+    def grammars(self) -> StructuredOutputs:
+        """The grammar compiler, safe to call from any thread: `prepare(spec)` compiles a constraint
+        and builds its first matcher, so that adding the request later costs a copy (a big schema
+        takes seconds); `build_tokenizer()` readies the vocabulary for the first one."""
+        return self.runner.structured
+
+    # --- what the outside reads (pagedllm/engine/state.py), on the engine thread -------
+
+    def on_worker_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` when a tensor-parallel worker dies (never without tensor parallelism)."""
+        if self.workers is not None:
+            self.workers.on_failure.append(callback)
+
+    @property
+    def worker_failure(self) -> BaseException | None:
+        """Why a tensor-parallel worker died, if one did."""
+        return self.workers.failure if self.workers is not None else None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        return self.kv_cache.num_used_blocks
+
+    def state(self) -> dict:
+        """Counters and KV occupancy, as `/stats` reports them."""
+        return engine_state(self)
+
+    def kv_picture(self) -> dict:
+        """Every block's state and the requests' block tables, for the dashboard."""
+        return kv_picture(self)
+
+    def drain_kv_events(self) -> list[tuple[bool, bytes]]:
+        """Block keys the prefix cache stored (True) and evicted since the last call (with
+        `record_kv_events`)."""
+        return self.kv_cache.drain_events()
+
+    def begin_run(self) -> RunCounters:
+        """A benchmark run starts: peaks start over and the counters are read."""
+        return begin_run(self)
+
+    def run_report(self, before: RunCounters) -> dict:
+        """What the engine did since `begin_run(...)` returned `before`."""
+        return run_report(self, before)
+
+    def kv_memory_rows(self) -> list[dict]:
+        """The KV memory series sampled after every step since the last `begin_run`."""
+        return self.memory.rows()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (all its samples) at once, freeing its blocks; None if it is unknown or done."""

@@ -34,7 +34,7 @@ class _Replica:
         return [p if isinstance(p, list) else self.llm.engine.tokenizer.encode(p) for p in prompts]
 
     def block_size(self) -> int:
-        return self.llm.engine.config.block_size
+        return self.llm.engine.info.block_size
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         return self.llm.generate(prompts, params, use_tqdm=False)

@@ -46,7 +46,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
     tokenizer must not be used from two threads at once.  The event loop uses it to decode; the
     preparation threads use a copy of their own, one at a time.
     """
-    preparation = Preparation(tokenizer.path, engine.engine)
+    preparation = Preparation(tokenizer.path, engine.grammars)
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.step_observers.append(ServerLog().observe_step)

@@ -37,7 +37,8 @@ from typing import Any, TypeVar
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine import LLMEngine
+from pagedllm.engine import EngineInfo, LLMEngine
+from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import release_openmp_workers
 
 logger = logging.getLogger("pagedllm")
@@ -227,6 +228,24 @@ class AsyncLLMEngine:
             self.engine.shutdown()  # tensor-parallel workers, once the engine thread is done with them
 
     @property
+    def info(self) -> EngineInfo:
+        """The engine's fixed facts (length limit, vocabulary, cache geometry): safe from any thread."""
+        return self.engine.info
+
+    def on_worker_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """LLMEngine.on_worker_failure: a dead tensor-parallel rank calls `callback(error)`."""
+        self.engine.on_worker_failure(callback)
+
+    @property
+    def worker_failure(self) -> BaseException | None:
+        return self.engine.worker_failure
+
+    @property
+    def grammars(self) -> StructuredOutputs:
+        """The engine's grammar compiler, which any thread may call (LLMEngine.grammars)."""
+        return self.engine.grammars
+
+    @property
     def draining(self) -> bool:
         return self._draining
 
@@ -267,7 +286,7 @@ class AsyncLLMEngine:
         def add(engine: LLMEngine) -> None:
             if self._draining:
                 raise EngineDeadError("the server is shutting down: it takes no new requests")
-            waiting = len(engine.scheduler.waiting)
+            waiting = engine.num_waiting
             if self.max_waiting is not None and waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(
                     f"the server is busy: {waiting} requests are already waiting "
@@ -367,7 +386,7 @@ class AsyncLLMEngine:
             logger.info(
                 "shutdown: aborted %d unfinished requests; %d KV blocks in use",
                 len(open_requests),
-                engine.kv_cache.num_used_blocks,
+                engine.num_kv_blocks_used,
             )
 
     def _run_commands(self, wait: bool) -> None:

@@ -27,7 +27,6 @@ from pagedllm.serving.async_engine import (
     RequestStream,
 )
 from pagedllm.serving.dashboard import dashboard_html, dashboard_state
-from pagedllm.serving.engine_state import engine_state
 from pagedllm.serving.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -83,8 +82,8 @@ class Handlers:
         self.served_model_name, self.api_key = settings.served_model_name, settings.api_key
         self.model_names = {settings.served_model_name, *settings.model_aliases}  # what a request's `model` may be
         self.allow_unknown_fields = settings.allow_unknown_fields
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.max_model_len = engine.info.max_model_len
+        self.vocab_size = engine.info.vocab_size
         self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
 
     # --- checks ------------------------------------------------------------------------
@@ -250,7 +249,7 @@ class Handlers:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(self) -> dict:
-        return await self.engine_call(engine_state)
+        return await self.engine_call(lambda e: e.state())
 
     async def kv_events(self, request: Request) -> dict:
         """The block keys the prefix cache stored and evicted since the last call, oldest first, as
@@ -258,8 +257,8 @@ class Handlers:
         self.check_key(request)
 
         def drain(engine: Any) -> dict:
-            events = engine.kv_cache.drain_events()
-            return {"block_size": engine.kv_cache.block_size, "events": [[int(s), k.hex()] for s, k in events]}
+            events = engine.drain_kv_events()
+            return {"block_size": engine.info.block_size, "events": [[int(s), k.hex()] for s, k in events]}
 
         return await self.engine_call(drain)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedllm.engine import LLMEngine
+from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.serving.openai_protocol import bad_request
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -35,10 +35,10 @@ def _lower_priority() -> None:
 
 
 class Preparation:
-    def __init__(self, tokenizer_path: Any, engine: LLMEngine) -> None:
+    def __init__(self, tokenizer_path: Any, grammars: StructuredOutputs) -> None:
         self.tokenizer = Tokenizer(tokenizer_path)
         self.lock = threading.Lock()  # the preparation threads share self.tokenizer
-        self.engine = engine
+        self.grammars = grammars  # the engine's grammar compiler: thread-safe
         self.pool = ThreadPoolExecutor(
             PREPARE_THREADS, thread_name_prefix="pagedllm-prepare", initializer=_lower_priority
         )
@@ -50,7 +50,7 @@ class Preparation:
     def warm_up(self) -> None:
         """Build now what the first constrained or chat request would otherwise wait for (seconds
         for the grammar engine; the chat template's Jinja compile holds the GIL ~0.1 s)."""
-        self.pool.submit(self._try, self.engine.runner.structured.build_tokenizer)
+        self.pool.submit(self._try, self.grammars.build_tokenizer)
         self.pool.submit(self._try, self._warm_up_text)
 
     def shutdown(self) -> None:
@@ -95,7 +95,7 @@ class Preparation:
         """Compile the request's grammar and build its first matcher here, off the engine thread."""
         if params.structured_output is not None:
             try:
-                self.engine.prepare_structured_output(params.structured_output)
+                self.grammars.prepare(params.structured_output)
             except ValueError as error:
                 raise bad_request(str(error), getattr(error, "param", None)) from None
         return params

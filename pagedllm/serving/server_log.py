@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine import LLMEngine
-from pagedllm.serving.engine_state import engine_state
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -73,7 +72,7 @@ class ServerLog:
 
     def _log_stats(self, engine: LLMEngine, now: float) -> None:
         window, seconds = self._window, max(now - self._window.start, 1e-9)
-        state = engine_state(engine)
+        state = engine.state()
         kv = state["kv"]
         logger.info(
             "last %.0f s: %.1f generated tok/s, %.1f prompt tok/s, %d finished; running %d, waiting %d; "

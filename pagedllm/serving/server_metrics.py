@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.engine import LLMEngine
-from pagedllm.serving.engine_state import engine_state
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
 THROUGHPUT_WINDOW_S = 60.0
@@ -111,7 +110,7 @@ class ServerMetrics:
         self.refresh_gauges(engine)
 
     def refresh_gauges(self, engine: LLMEngine) -> None:
-        state = engine_state(engine)  # the same figures /stats and the dashboard show
+        state = engine.state()  # the same figures /stats and the dashboard show
         kv = state["kv"]
         self.running.set(state["running"])
         self.waiting.set(state["waiting"])
