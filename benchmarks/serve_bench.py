@@ -36,13 +36,12 @@ import httpx
 
 from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
 from pagedllm.benchmarking.datasets import load_workload
-from pagedllm.benchmarking.peers import hf_directory, vllm_env, vllm_settings, vllm_version
+from pagedllm.benchmarking.peers import peer_directory, vllm_env, vllm_settings, vllm_version
 from pagedllm.benchmarking.serve import replay
 from pagedllm.benchmarking.throughput import print_result, run_bench, warmup_requests
 from pagedllm.cli_args import add_engine_args, engine_config, engine_flags
 from pagedllm.execution.device import resolve_dtype
 from pagedllm.execution.startup_checks import DEFAULT_CPU_KV_CACHE_MEMORY
-from pagedllm.models.loader import BUNDLED_MODELS
 from pagedllm.testing.servers import free_port, serve_subprocess, stop_process
 
 LATENCIES = ("ttft_p50_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "e2el_p50_s", "e2el_p99_s")
@@ -118,11 +117,9 @@ def main() -> int:
     runs = {"pagedllm": pagedllm_served}
     if args.vllm_python:
         model = config.model or "smollm2"
-        if model not in BUNDLED_MODELS:
-            raise SystemExit(f"--vllm-python serves a bundled model ({', '.join(sorted(BUNDLED_MODELS))}), not {model}")
         dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
         env = vllm_env(args.vllm_python, config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        arguments = ["--model", str(hf_directory(model)), "--dtype", dtype, "--seed", "0"]
+        arguments = ["--model", str(peer_directory(model)), "--dtype", dtype, "--seed", "0"]
         arguments += ["--max-model-len", str(config.max_model_len or 8192)]
         if args.vllm_max_num_batched_tokens:
             arguments += ["--max-num-batched-tokens", str(args.vllm_max_num_batched_tokens)]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
 from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
-from pagedllm.benchmarking.peers import hf_directory, run_vllm_offline, vllm_env, vllm_settings, vllm_version
+from pagedllm.benchmarking.peers import peer_directory, run_vllm_offline, vllm_env, vllm_settings, vllm_version
 from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
 from pagedllm.cache_dir import cache_dir
 from pagedllm.config import EngineConfig, parse_bytes
@@ -45,17 +45,6 @@ FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 # --kv-cache-dtype: pagedllm's name -> vLLM's (both e4m3, scale 1: vLLM scales by 1.0 unless the
 # checkpoint has calibrated scales, which these models do not)
 VLLM_KV_CACHE_DTYPES = {"auto": "auto", "float8_e4m3": "fp8_e4m3"}
-
-
-def peer_directory(model: str) -> Path:
-    """The Hugging Face directory vLLM reads for `model`: a bundled model's conversion, or the
-    hf/ folder that benchmarks/make_models.py writes beside a real-size shape's GGUF files."""
-    if model in BUNDLED_MODELS:
-        return hf_directory(model)
-    beside = Path(model).parent / "hf"
-    if not (beside / "config.json").is_file():
-        raise SystemExit(f"{model}: no Hugging Face directory at {beside} for vLLM; give --hf-model")
-    return beside
 
 
 def main() -> int:

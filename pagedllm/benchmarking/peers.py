@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pagedllm.cache_dir import cache_dir
-from pagedllm.models.loader import resolve_model_path
+from pagedllm.models.loader import BUNDLED_MODELS, resolve_model_path
 
 # One vLLM run in its own process: construct the engine (timed: start-up, compilation included),
 # warm up on the same requests pagedllm warms up on, then generate the workload (timed).
@@ -77,6 +77,20 @@ def hf_directory(name: str) -> Path:
     model.save_pretrained(target)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
     return target
+
+
+def peer_directory(model: str) -> Path:
+    """The Hugging Face directory a peer reads for `model`: a bundled model's conversion
+    (`hf_directory`), or the hf/ folder that benchmarks/make_models.py --hf writes beside a
+    real-size shape's GGUF files (the same weights)."""
+    if model in BUNDLED_MODELS:
+        return hf_directory(model)
+    beside = Path(model).parent / "hf"
+    if not (beside / "config.json").is_file():
+        raise SystemExit(
+            f"{model}: no Hugging Face directory at {beside} for the peer (make_models.py --hf writes one)"
+        )
+    return beside
 
 
 def vllm_env(python: str, kv_cache_bytes: int, tuned: bool = True, extra: dict[str, str] | None = None) -> dict:
