@@ -9,6 +9,11 @@
   converts a bundled model's GGUF once, dequantized to float32, the weights pagedllm runs with
   `weights=dequantized`; with its default `weights=native` pagedllm computes on the file's
   quantized blocks instead.
+- OpenVINO GenAI lives in its own virtual environment (`python -m venv O && O/bin/pip install
+  openvino-genai "optimum-intel[openvino]"`) and runs as a subprocess of it: the Hugging Face
+  directory exported to OpenVINO IR with int4 or int8 weights (`openvino_model`, optimum-cli as
+  its docs say), served by a `ContinuousBatchingPipeline` on the CPU with its scheduler's
+  defaults, prefix caching on, the KV cache pagedllm got (`cache_size`, whole GB).
 - transformers runs static batches through its own `generate` (`transformers_generate`).
 """
 
@@ -133,6 +138,81 @@ def run_vllm_offline(python: str, env: dict[str, str], settings: dict, log_path:
     result = json.loads(lines[-1].removeprefix("RESULT "))
     result["compile_cache_load_failed"] = COMPILE_CACHE_FAILED in log
     return result
+
+
+# One OpenVINO GenAI run in its own process, as its docs serve many requests: a
+# ContinuousBatchingPipeline (paged KV cache, continuous batching, prefix caching) on the CPU with
+# its scheduler's defaults, the KV cache size given in GB; token-id prompts, greedy, EOS ignored.
+OPENVINO_OFFLINE_RUNNER = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+    args = json.loads(sys.argv[1])
+    requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
+    begin = time.perf_counter()
+    scheduler = ov_genai.SchedulerConfig()
+    scheduler.cache_size = args["cache_gb"]
+    scheduler.enable_prefix_caching = True
+    pipe = ov_genai.ContinuousBatchingPipeline(args["model"], scheduler, "CPU")
+    startup = time.perf_counter() - begin
+
+    def run(items):
+        ids = [ov.Tensor(np.array([r["prompt_token_ids"]], dtype=np.int64)) for r in items]
+        configs = []
+        for r in items:
+            config = ov_genai.GenerationConfig()
+            config.max_new_tokens = r["max_tokens"]
+            config.ignore_eos = True
+            config.do_sample = False
+            configs.append(config)
+        return pipe.generate(ids, configs)
+
+    run(args["warmup"])
+    start = time.perf_counter()
+    outputs = run(requests)
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(o.m_generation_ids[0]) for o in outputs)
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    print("RESULT " + json.dumps({"startup_s": round(startup, 2), "wall_s": round(wall, 3),
+          "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2),
+          "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall, 2)}))
+    """
+)
+
+
+def openvino_model(python: str, hf_dir: Path, weight_format: str) -> Path:
+    """`hf_dir` exported to OpenVINO IR with weights compressed to `weight_format` (int4, int8)
+    by optimum-intel, as OpenVINO GenAI's docs make a model (`optimum-cli export openvino`),
+    beside it as ov-<format>/; made once."""
+    target = hf_dir.parent / f"ov-{weight_format}"
+    if (target / "openvino_model.xml").is_file():
+        return target
+    cli = Path(python).absolute().parent / "optimum-cli"
+    command = [str(cli), "export", "openvino", "--model", str(hf_dir), "--task", "text-generation-with-past"]
+    proc = subprocess.run([*command, "--weight-format", weight_format, str(target)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"optimum-cli export failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return target
+
+
+def openvino_version(python: str) -> str:
+    code = "import openvino_genai; print(openvino_genai.__version__)"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return proc.stdout.strip() or f"unknown ({proc.stderr.strip()[-200:]})"
+
+
+def run_openvino_offline(python: str, settings: dict, log_path: Path | None) -> dict:
+    """One OPENVINO_OFFLINE_RUNNER run; its log goes to `log_path`."""
+    proc = subprocess.run([python, "-c", OPENVINO_OFFLINE_RUNNER, json.dumps(settings)], capture_output=True, text=True)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(proc.stdout + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"OpenVINO GenAI run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def transformers_generate(model, requests: list[dict], batch_size: int, device: str = "cpu", pad_id: int = 0) -> dict:

@@ -81,35 +81,78 @@ def build_frontend(
 ) -> FastAPI:
     """`api_key`: what clients must send (None: nothing); `replica_key`: what the replicas require
     (None: nothing)."""
-    state = FrontendState(router, resolve, [None] * len(router.replicas), api_key, poll_interval)
-    # One thread tokenizes (a Rust tokenizer is not for two threads at once), off the event loop.
-    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-route")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
-    headers = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
+    return Frontend(tokenizer, router, resolve, api_key, poll_interval, replica_key).app(max_body_bytes)
 
-    def client_refused(request: Request) -> Response | None:
-        try:
-            check_api_key(request.headers.get("authorization", ""), api_key)
-        except APIError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return None
 
-    async def poll_forever() -> None:
+class Frontend:
+    """The routes of the data-parallel endpoint, one method each, and the replicas' health poll."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        router: Router,
+        resolve: Resolve,
+        api_key: str | None,
+        poll_interval: float,
+        replica_key: str | None,
+    ) -> None:
+        self.tokenizer, self.router, self.resolve, self.api_key = tokenizer, router, resolve, api_key
+        self.state = FrontendState(router, resolve, [None] * len(router.replicas), api_key, poll_interval)
+        # One thread tokenizes (a Rust tokenizer is not for two threads at once), off the event loop.
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-route")
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
+        )
+        self.headers = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
+
+    def app(self, max_body_bytes: int) -> FastAPI:
+        app = FastAPI(title="pagedllm (data parallel)", lifespan=self.lifespan, docs_url=None, redoc_url=None)
+        app.state.frontend = self.state
+        app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # as each replica's: never read a huge body
+        app.add_api_route("/v1/completions", self.forward, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.forward, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.any_replica, methods=["POST"])
+        app.add_api_route("/detokenize", self.any_replica, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/stats", self.stats, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/dashboard", self.dashboard, methods=["GET"])
+        app.add_api_route("/replicas/{i}/{page:path}", self.replica_page, methods=["GET"])
+        return app
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.poll_all()
+        poller = asyncio.create_task(self.poll_forever())
+        yield
+        poller.cancel()
+        await self.client.aclose()
+        self.tokenizing.shutdown(wait=False)
+
+    # --- replicas' health and cache events -----------------------------------------------
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(i) for i in range(len(self.router.replicas))))
+
+    async def poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(poll(i) for i in range(len(router.replicas))))
-            await asyncio.sleep(poll_interval)
+            await self.poll_all()
+            await asyncio.sleep(self.state.poll_interval)
 
-    async def poll(i: int) -> None:
+    async def poll(self, i: int) -> None:
+        state, router = self.state, self.router
         try:
             if state.addresses[i] is None:
-                state.addresses[i] = await asyncio.wait_for(resolve(i), timeout=max(1.0, poll_interval * 5))
-            reply = await client.get(f"{state.addresses[i]}/kv_events", headers=headers, timeout=5.0)
+                wait = max(1.0, state.poll_interval * 5)
+                state.addresses[i] = await asyncio.wait_for(self.resolve(i), timeout=wait)
+            reply = await self.client.get(f"{state.addresses[i]}/kv_events", headers=self.headers, timeout=5.0)
             reply.raise_for_status()
             events = [(bool(s), bytes.fromhex(k)) for s, k in reply.json()["events"]]
         except Exception as error:  # noqa: BLE001 - any failure to answer is a replica down
             if router.replicas[i].live:
                 logger.warning("replica %d is down (%s)", i, error)
-                mark_down(i)
+                self.mark_down(i)
             state.addresses[i] = None  # ask where it is again: a restarted replica may have moved
             return
         if not router.replicas[i].live:
@@ -117,80 +160,89 @@ def build_frontend(
             router.mark_up(i)
         router.apply_events(i, events)
 
-    def mark_down(i: int) -> None:
-        router.mark_down(i)
-        state.down_since[i] = time.monotonic()
-        state.addresses[i] = None
-        state.num_marked_down += 1
+    def mark_down(self, i: int) -> None:
+        self.router.mark_down(i)
+        self.state.down_since[i] = time.monotonic()
+        self.state.addresses[i] = None
+        self.state.num_marked_down += 1
 
-    def routing_ids(path: str, body: dict) -> list[int]:
+    # --- placing and forwarding a request --------------------------------------------------
+
+    def client_refused(self, request: Request) -> Response | None:
+        try:
+            check_api_key(request.headers.get("authorization", ""), self.api_key)
+        except APIError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return None
+
+    def routing_ids(self, path: str, body: dict) -> list[int]:
         if path.endswith("chat/completions"):
-            return tokenizer.apply_chat_template(body.get("messages") or [], body.get("tools"))
+            return self.tokenizer.apply_chat_template(body.get("messages") or [], body.get("tools"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of prompts: placed by the first
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt[:ROUTING_CHARS])
+            return self.tokenizer.encode(prompt[:ROUTING_CHARS])
         return [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
 
-    async def place(path: str, raw: bytes, exclude: tuple[int, ...]) -> Placement:
+    async def place(self, path: str, raw: bytes, exclude: tuple[int, ...]) -> Placement:
         start = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenizing, routing_ids, path, json.loads(raw))
+            ids = await loop.run_in_executor(self.tokenizing, self.routing_ids, path, json.loads(raw))
         except Exception:  # noqa: BLE001 - a body the replica will refuse: placed by load alone
             ids = []
-        placement = router.route(ids, exclude=exclude)
-        state.route_seconds += time.perf_counter() - start
+        placement = self.router.route(ids, exclude=exclude)
+        self.state.route_seconds += time.perf_counter() - start
         return placement
 
-    async def forward(request: Request) -> Response:
-        if (refused := client_refused(request)) is not None:
+    async def forward(self, request: Request) -> Response:
+        if (refused := self.client_refused(request)) is not None:
             return refused
         raw = await request.body()
         path = request.url.path
-        forward_headers = {k: v for k, v in request.headers.items() if k == "content-type"} | headers
+        forward_headers = {k: v for k, v in request.headers.items() if k == "content-type"} | self.headers
         tried: list[int] = []
         while True:
             try:
-                placement = await place(path, raw, tuple(tried))
+                placement = await self.place(path, raw, tuple(tried))
             except NoReplicaError as error:
                 body = {"error": {"message": str(error), "type": "service_unavailable", "code": 503}}
                 return JSONResponse(body, status_code=503)
-            address = state.addresses[placement.replica]
+            address = self.state.addresses[placement.replica]
             upstream = None
             try:
                 if address is None:
                     raise httpx.ConnectError("replica address unknown")
-                upstream = await client.send(
-                    client.build_request("POST", address + path, content=raw, headers=forward_headers), stream=True
-                )
+                outgoing = self.client.build_request("POST", address + path, content=raw, headers=forward_headers)
+                upstream = await self.client.send(outgoing, stream=True)
                 chunks = upstream.aiter_raw()
                 first = await anext(chunks, b"")
             except _LOST as error:
                 if upstream is not None:
                     await upstream.aclose()
-                router.finished(placement)
+                self.router.finished(placement)
                 logger.warning(
                     "replica %d lost before answering (%s): placing the request again", placement.replica, error
                 )
-                if router.replicas[placement.replica].live:
-                    mark_down(placement.replica)
+                if self.router.replicas[placement.replica].live:
+                    self.mark_down(placement.replica)
                 tried.append(placement.replica)
-                state.num_retried += 1
+                self.state.num_retried += 1
                 continue
             except BaseException:  # the client went away (cancelled) or another failure: undo the placement
                 if upstream is not None:
                     await upstream.aclose()
-                router.finished(placement)
+                self.router.finished(placement)
                 raise
             return StreamingResponse(
-                relay(upstream, chunks, first, placement),
+                self.relay(upstream, chunks, first, placement),
                 status_code=upstream.status_code,
                 media_type=upstream.headers.get("content-type"),
             )
 
     async def relay(
-        upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, placement: Placement
+        self, upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, placement: Placement
     ) -> AsyncIterator[bytes]:
         try:
             if first:
@@ -198,69 +250,75 @@ def build_frontend(
             async for chunk in chunks:
                 yield chunk
         except _LOST as error:
-            state.num_failed_mid_stream += 1
+            self.state.num_failed_mid_stream += 1
             message = f"the replica serving this request was lost mid-reply ({error!r}); retry the request"
             yield b"data: " + json.dumps({"error": {"message": message, "type": "replica_lost"}}).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             await upstream.aclose()
-            router.finished(placement)
+            self.router.finished(placement)
 
-    async def models(request: Request) -> Response:
-        if (refused := client_refused(request)) is not None:
+    # --- pages every replica answers alike, and the combined ones --------------------------
+
+    def first_up(self) -> str | None:
+        for i, address in enumerate(self.state.addresses):
+            if address is not None and self.router.replicas[i].live:
+                return address
+        return None
+
+    async def models(self, request: Request) -> Response:
+        if (refused := self.client_refused(request)) is not None:
             return refused
-        for i, address in enumerate(state.addresses):
-            if address is not None and router.replicas[i].live:
-                reply = await client.get(f"{address}/v1/models", headers=headers)
-                return Response(reply.content, reply.status_code, media_type="application/json")
-        return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+        if (address := self.first_up()) is None:
+            return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+        reply = await self.client.get(f"{address}/v1/models", headers=self.headers)
+        return Response(reply.content, reply.status_code, media_type="application/json")
 
-    async def any_replica(request: Request) -> Response:
+    async def any_replica(self, request: Request) -> Response:
         """/tokenize and /detokenize: every replica answers them alike; the first one up does."""
-        if (refused := client_refused(request)) is not None:
+        if (refused := self.client_refused(request)) is not None:
             return refused
         body = await request.body()
-        for i, address in enumerate(state.addresses):
-            if address is not None and router.replicas[i].live:
-                reply = await client.post(address + request.url.path, content=body, headers=headers)
-                return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
-        return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+        if (address := self.first_up()) is None:
+            return JSONResponse({"error": {"message": "no replica is up", "type": "service_unavailable"}}, 503)
+        reply = await self.client.post(address + request.url.path, content=body, headers=self.headers)
+        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
-    async def health() -> Response:
-        up = [view.live for view in router.replicas]
+    async def health(self) -> Response:
+        up = [view.live for view in self.router.replicas]
         body = {"status": "ok" if any(up) else "dead", "replicas": ["up" if u else "down" for u in up]}
         return JSONResponse(body, status_code=200 if any(up) else 503)
 
-    async def replica_json(i: int, page: str) -> dict | None:
-        address = state.addresses[i]
+    async def replica_json(self, i: int, page: str) -> dict | None:
+        address = self.state.addresses[i]
         if address is None:
             return None
         try:
-            reply = await client.get(f"{address}/{page}", headers=headers, timeout=5.0)
+            reply = await self.client.get(f"{address}/{page}", headers=self.headers, timeout=5.0)
             return reply.json() if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def stats() -> dict:
-        per_replica = await asyncio.gather(*(replica_json(i, "stats") for i in range(len(router.replicas))))
+    async def stats(self) -> dict:
+        replicas = range(len(self.router.replicas))
+        per_replica = await asyncio.gather(*(self.replica_json(i, "stats") for i in replicas))
         total = sum_numbers([s for s in per_replica if s is not None])
         queried = total.get("prefix_cache_queried_tokens", 0)
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0
         return {
-            "router": router_stats(state),
+            "router": router_stats(self.state),
             "replicas": [s if s is not None else {"status": "down"} for s in per_replica],
             "total": total,
         }
 
-    async def metrics() -> Response:
-        lines = [f"pagedllm_router_{k} {v}" for k, v in router_stats(state).items() if isinstance(v, (int, float))]
+    async def metrics(self) -> Response:
+        lines = [f"pagedllm_router_{k} {v}" for k, v in router_stats(self.state).items() if isinstance(v, (int, float))]
         seen: set[str] = set()  # each HELP / TYPE line once, for every replica's samples
-        for i in range(len(router.replicas)):
-            address = state.addresses[i]
+        for i, address in enumerate(self.state.addresses):
             if address is None:
                 continue
             try:
-                reply = await client.get(f"{address}/metrics", timeout=5.0)
+                reply = await self.client.get(f"{address}/metrics", timeout=5.0)
             except httpx.HTTPError:
                 continue
             for line in reply.text.splitlines():
@@ -271,14 +329,16 @@ def build_frontend(
                 lines.append(labelled(line, i))
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    async def replica_page(i: int, page: str, request: Request) -> Response:
-        if not 0 <= i < len(router.replicas) or state.addresses[i] is None:
+    async def replica_page(self, i: int, page: str, request: Request) -> Response:
+        if not 0 <= i < len(self.router.replicas) or self.state.addresses[i] is None:
             return JSONResponse({"error": {"message": f"replica {i} is not up", "type": "not_found_error"}}, 404)
-        reply = await client.get(f"{state.addresses[i]}/{page}", params=request.query_params, headers=headers)
+        url = f"{self.state.addresses[i]}/{page}"
+        reply = await self.client.get(url, params=request.query_params, headers=self.headers)
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
-    async def dashboard() -> HTMLResponse:
+    async def dashboard(self) -> HTMLResponse:
         """Every replica's live dashboard, side by side (each is the replica's own page, proxied)."""
+        router = self.router
         frames = "".join(
             f"<section><h2>replica {i} ({'up' if view.live else 'down'})</h2>"
             f'<iframe src="replicas/{i}/dashboard" title="replica {i}"></iframe></section>'
@@ -290,30 +350,6 @@ def build_frontend(
             f"<h1>{len(router.replicas)} replicas, router {router.policy}</h1>"
             f'<p>Counts over all replicas: <a href="stats">/stats</a>, <a href="metrics">/metrics</a></p>{frames}'
         )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.gather(*(poll(i) for i in range(len(router.replicas))))
-        poller = asyncio.create_task(poll_forever())
-        yield
-        poller.cancel()
-        await client.aclose()
-        tokenizing.shutdown(wait=False)
-
-    app = FastAPI(title="pagedllm (data parallel)", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.frontend = state
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # as each replica's: never read a huge body
-    app.add_api_route("/v1/completions", forward, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/tokenize", any_replica, methods=["POST"])
-    app.add_api_route("/detokenize", any_replica, methods=["POST"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/stats", stats, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/dashboard", dashboard, methods=["GET"])
-    app.add_api_route("/replicas/{i}/{page:path}", replica_page, methods=["GET"])
-    return app
 
 
 def router_stats(state: FrontendState) -> dict:
