@@ -28,14 +28,12 @@ import itertools
 import sys
 from pathlib import Path
 
-from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
+from pagedllm.benchmarking.compare import alternate, machine, offline_report, print_offline
 from pagedllm.benchmarking.datasets import load_workload
 from pagedllm.benchmarking.peers import openvino_model, openvino_version, peer_directory, run_openvino_offline
 from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
 from pagedllm.config import EngineConfig, parse_bytes
 from pagedllm.execution.device import resolve_dtype
-
-FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 
 
 def main() -> int:
@@ -69,7 +67,6 @@ def main() -> int:
     print(machine()["cpu"], dtype, f"OpenVINO {args.weight_format}", flush=True)
     results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
     ours, theirs = results["pagedllm"], results["openvino"]
-    keep = set(FIGURES) | {"round", "position", "output_tokens", "peak_running", "steps", "preemptions"}
     report = {
         "workload": Path(args.workload).name,
         "requests": len(requests),
@@ -85,15 +82,10 @@ def main() -> int:
             },
             "warmup": {"requests": len(warmup), "max_tokens": warmup[0]["max_tokens"] if warmup else 0},
         },
-        "pagedllm": summarize(ours, FIGURES),
-        "openvino": summarize(theirs, FIGURES),
-        "pagedllm_over_openvino_output_tokens_per_s": paired_ratio(ours, theirs, "output_tokens_per_s"),
-        "runs": {"pagedllm": [{k: v for k, v in r.items() if k in keep} for r in ours], "openvino": theirs},
+        **offline_report("openvino", ours, theirs),
     }
     print_result(report, args.output)
-    print(format_spread("output tok/s, pagedllm", report["pagedllm"]["output_tokens_per_s"]))
-    print(format_spread("output tok/s, OpenVINO GenAI", report["openvino"]["output_tokens_per_s"]))
-    print(format_spread("pagedllm / OpenVINO GenAI", report["pagedllm_over_openvino_output_tokens_per_s"], "x"))
+    print_offline(report, "openvino", "OpenVINO GenAI")
     return 0
 
 

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from pagedllm.benchmarking.compare import alternate, format_spread, machine, paired_ratio, summarize
+from pagedllm.benchmarking.compare import alternate, machine, offline_report, print_offline
 from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
 from pagedllm.benchmarking.peers import peer_directory, run_vllm_offline, vllm_env, vllm_settings, vllm_version
 from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
@@ -41,7 +41,6 @@ from pagedllm.config import EngineConfig, parse_bytes
 from pagedllm.execution.device import resolve_dtype
 from pagedllm.models.loader import BUNDLED_MODELS
 
-FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 # --kv-cache-dtype: pagedllm's name -> vLLM's (both e4m3, scale 1: vLLM scales by 1.0 unless the
 # checkpoint has calibrated scales, which these models do not)
 VLLM_KV_CACHE_DTYPES = {"auto": "auto", "float8_e4m3": "fp8_e4m3"}
@@ -117,7 +116,6 @@ def main() -> int:
     print(machine()["cpu"], dtype, flush=True)
     results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
     ours, theirs = results["pagedllm"], results["vllm"]
-    keep = set(FIGURES) | {"round", "position", "output_tokens", "peak_running", "steps", "preemptions"}
     report = {
         "workload": Path(args.workload).name,
         "requests": len(requests),
@@ -134,17 +132,11 @@ def main() -> int:
             },
             "warmup": {"requests": len(warmup), "max_tokens": warmup[0]["max_tokens"] if warmup else 0},
         },  # fmt: skip
-        "pagedllm": summarize(ours, FIGURES),
-        "vllm": summarize(theirs, FIGURES),
         "vllm_compile_cache_load_failed": [run["compile_cache_load_failed"] for run in theirs],
-        "pagedllm_over_vllm_output_tokens_per_s": paired_ratio(ours, theirs, "output_tokens_per_s"),
-        "pagedllm_over_vllm_startup": paired_ratio(ours, theirs, "startup_s", higher_is_better=False),
-        "runs": {"pagedllm": [{k: v for k, v in r.items() if k in keep} for r in ours], "vllm": theirs},
+        **offline_report("vllm", ours, theirs),
     }
     print_result(report, args.output)
-    print(format_spread("output tok/s, pagedllm", report["pagedllm"]["output_tokens_per_s"]))
-    print(format_spread("output tok/s, vLLM", report["vllm"]["output_tokens_per_s"]))
-    print(format_spread("pagedllm / vLLM", report["pagedllm_over_vllm_output_tokens_per_s"], "x"))
+    print_offline(report, "vllm", "vLLM")
     return 0
 
 

@@ -112,3 +112,25 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 7) -> dict:
         values.sum()
         rates.append(values.numel() * 4 / (time.perf_counter() - start) / 1e9)
     return spread(rates, digits=1) | {"threads": torch.get_num_threads(), "tensor_gib": gib}
+
+
+# What an offline comparison reports per engine, and what it keeps of each pagedllm run.
+OFFLINE_FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
+KEPT_RUN_FIELDS = set(OFFLINE_FIGURES) | {"round", "position", "output_tokens", "peak_running", "steps", "preemptions"}
+
+
+def offline_report(peer: str, ours: list[dict], theirs: list[dict]) -> dict:
+    """Both engines' figures (median, min, max), the round-by-round output ratio and every run."""
+    return {
+        "pagedllm": summarize(ours, OFFLINE_FIGURES),
+        peer: summarize(theirs, OFFLINE_FIGURES),
+        f"pagedllm_over_{peer}_output_tokens_per_s": paired_ratio(ours, theirs, "output_tokens_per_s"),
+        f"pagedllm_over_{peer}_startup": paired_ratio(ours, theirs, "startup_s", higher_is_better=False),
+        "runs": {"pagedllm": [{k: v for k, v in r.items() if k in KEPT_RUN_FIELDS} for r in ours], peer: theirs},
+    }
+
+
+def print_offline(report: dict, peer: str, label: str) -> None:
+    print(format_spread("output tok/s, pagedllm", report["pagedllm"]["output_tokens_per_s"]))
+    print(format_spread(f"output tok/s, {label}", report[peer]["output_tokens_per_s"]))
+    print(format_spread(f"pagedllm / {label}", report[f"pagedllm_over_{peer}_output_tokens_per_s"], "x"))
