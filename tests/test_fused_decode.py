@@ -7,7 +7,7 @@ from conftest import assert_no_blocks_held
 
 from pagedllm import LLM
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.execution.rank_model import select_fused_decode
+from pagedllm.execution.fused_step import select_fused_decode
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.testing.hf_reference import save_random_llama

@@ -166,3 +166,19 @@ def test_no_module_above_the_engine_reads_its_parts():
             if owner == "engine" and (node.attr in ENGINE_PARTS or node.attr == "engine"):
                 reads.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert reads == [], "go through LLMEngine's methods or EngineInfo:\n" + "\n".join(reads)
+
+
+def test_models_are_math_without_kernel_plumbing():
+    """Which kernels run (the one-call decode step, the quantized projections' setup, the C++
+    kernels) is chosen in execution/; a model file holds its layers' math and weight names."""
+    plumbing = {"pagedllm.layers.cpu_kernels", "pagedllm.layers.fused_decode"}
+    found = []
+    for path in sorted((PACKAGE / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {alias.name for alias in node.names}
+                if node.module in plumbing or "QuantizedSetup" in names or "CpuKernels" in names:
+                    found.append(f"{path.name}:{node.lineno}: from {node.module} import {', '.join(sorted(names))}")
+            if isinstance(node, ast.Compare) and "type(self)" in ast.unparse(node):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)} (declare it instead)")
+    assert found == [], "\n".join(found)

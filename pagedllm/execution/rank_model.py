@@ -15,6 +15,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.layer_groups import LayerGroups, group_layers
 from pagedllm.execution.device import resolve_dtype, resolve_kv_cache_dtype, select_device
+from pagedllm.execution.fused_step import select_fused_decode
 from pagedllm.execution.heap import keep_freed_memory
 from pagedllm.execution.startup_checks import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -27,13 +28,12 @@ from pagedllm.execution.startup_checks import (
     format_bytes,
 )
 from pagedllm.layers.attention import cpp_attention, select_attention
-from pagedllm.layers.fused_decode import FusedDecode, fused_decode_enabled
 from pagedllm.layers.fused_ops import CppOps, LayerOps, select_ops
 from pagedllm.layers.linear import resolve_linear_backend
-from pagedllm.layers.quantized import QuantizedWeight, lm_head_max_rows, quantized_max_rows
+from pagedllm.layers.quantized import QuantizedSetup, QuantizedWeight, lm_head_max_rows, quantized_max_rows
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import AttentionFn, LlamaModel, QuantizedSetup
+from pagedllm.models.llama import LlamaModel
 from pagedllm.models.loader import (
     forget_gguf_readers,
     gguf_tensor_bytes,
@@ -108,14 +108,6 @@ def describe_weights(weights: dict, native: bool) -> str:
             key = "float (norms, biases" + (", types without a native kernel)" if native else ", all else)")
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{count} x {key}" for key, count in counts.items())
-
-
-def select_fused_decode(model: LlamaModel, ops: LayerOps, attention: AttentionFn) -> FusedDecode | None:
-    """The one-call decode step where this rank runs the C++ kernels for both attention and the
-    elementwise ops (and PAGEDLLM_FUSED_DECODE is not 0) and the model's layers fit it."""
-    if not (fused_decode_enabled() and isinstance(ops, CppOps) and attention is cpp_attention):
-        return None
-    return model.build_fused_decode(ops.kernels)
 
 
 def build_rank_model(config: EngineConfig, tp: TensorParallel) -> RankModel:

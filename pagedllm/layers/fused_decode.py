@@ -15,7 +15,8 @@ takes only the steps it can run exactly as the loop would:
   steps from 34-35 and 49-50 ms to 31 and 41-45, and 96-160-row steps about 3% faster
   (benchmarks/step_profile.py; docs/performance.md);
 - plain llama layers (no biases, no q/k norm) or Gemma 3's, the C++ attention and
-  elementwise kernels, no tensor parallelism (the model checks those).  With layer groups
+  elementwise kernels, no tensor parallelism (pagedllm/execution/fused_step.py checks those,
+  from what the model declares).  With layer groups
   (core/layer_groups.py: Gemma 3's sliding layers free their old blocks) each layer reads its
   group's block tables; every group must decode the same requests.
 

@@ -393,6 +393,23 @@ class QuantizedLinear:
 
 
 @functools.cache
+@dataclass(frozen=True)
+class QuantizedSetup:
+    """How projections kept quantized run: the C++ kernels, and up to how many rows of a step go
+    to their integer GEMM (above: a float GEMM on the weight dequantized for the step)."""
+
+    kernels: CpuKernels
+    max_rows: int
+    lm_head_max_rows: int  # the same for a quantized LM head (pagedllm/layers/quantized.py)
+
+    def pack(self, weight: QuantizedWeight) -> PackedWeight:
+        return pack(weight, self.kernels.quant_panel_width, self.kernels.quant_unsigned8)
+
+    def linear(self, weights: list[QuantizedWeight | PackedWeight], max_rows: int | None = None) -> QuantizedLinear:
+        parts = [w if isinstance(w, PackedWeight) else self.pack(w) for w in weights]
+        return QuantizedLinear(parts, self.kernels, self.max_rows if max_rows is None else max_rows)
+
+
 def onednn_blocked_layout(rows: int, cols: int) -> bool:
     """True when oneDNN packs a bfloat16 linear weight [rows, cols] as `dequantize_blocked` writes
     it: blocks of 32 rows x 32 columns, in each [16 column pairs][32 rows][2].  Checked on a random

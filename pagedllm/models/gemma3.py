@@ -11,20 +11,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.fused_decode import FusedLayer
 from pagedllm.layers.fused_ops import LayerOps
 from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedSetup, per_layer
+from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedBuilder, per_layer
 from pagedllm.models.sharding import ShardLayout
 
 
@@ -97,7 +94,7 @@ class Gemma3Model(LlamaModel):
         weights: dict[str, torch.Tensor | QuantizedWeight],
         linear_backend: str = "torch",
         small_batch: bool = True,
-        quantized: QuantizedSetup | None = None,
+        quantized: QuantizedBuilder | None = None,
     ) -> None:
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -134,19 +131,12 @@ class Gemma3Model(LlamaModel):
         residual.add_(delta)
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 
-    def fused_decode_fits(self) -> bool:
-        c = self.config
-        return not c.attention_bias and c.residual_multiplier == 1.0 and c.attention_multiplier is None
+    layer_math = "gemma3"
 
-    def fused_layer(self, layer: Gemma3DecoderLayer, rotary: Rotary) -> FusedLayer:
-        base = super().fused_layer(layer, rotary)
-        return dataclasses.replace(
-            base, pre_ffn_norm=layer.pre_ffn_norm, post_ffn_norm=layer.post_ffn_norm, q_norm=layer.q_norm,
-            k_norm=layer.k_norm,
-        )  # fmt: skip
-
-    def fused_q_scale(self) -> float:
-        return self.layers[0].q_scale  # every layer's, from the config's query_pre_attn_scalar
+    def decode_math(self) -> str | None:
+        c = self.config  # q/k norms are Gemma 3's own: only biases and multipliers fall outside
+        extras = c.attention_bias or c.residual_multiplier != 1.0 or c.attention_multiplier is not None
+        return None if extras else self.layer_math
 
     @torch.inference_mode()
     def compute_logits(

@@ -13,15 +13,13 @@ the residual branches, q.k and the logits).  Every RoPE variant is a table
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
-from pagedllm.layers.cpu_kernels import CpuKernels
-from pagedllm.layers.fused_decode import FusedDecode, FusedLayer, fusable
 from pagedllm.layers.fused_ops import LayerOps, TorchOps, rms_norm
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.output_buffers import OutputBuffers
@@ -29,7 +27,6 @@ from pagedllm.layers.quantized import (
     PackedWeight,
     QuantizedLinear,
     QuantizedWeight,
-    pack,
     quantized_embedding,
 )
 from pagedllm.layers.rotary import Rotary, RotaryStep
@@ -40,26 +37,35 @@ from pagedllm.models.sharding import ShardLayout
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], torch.Tensor]  # ..., window
 
 
+class DecodeStep(Protocol):
+    """A decode-only step computed in one call (layers/fused_decode.py's FusedDecode): the final
+    hidden states from the embedded tokens, for the steps it `applies` to."""
+
+    def applies(self, meta: AttentionMetadata | list[AttentionMetadata], rows: int) -> bool: ...
+
+    def __call__(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor: ...
+
+
 def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
     """One step's attention metadata per layer: one for every layer, or each layer's group's."""
     return meta if isinstance(meta, list) else [meta] * num_layers
 
 
-@dataclass(frozen=True)
-class QuantizedSetup:
-    """How projections kept quantized run: the C++ kernels, and up to how many rows of a step go
-    to their integer GEMM (above: a float GEMM on the weight dequantized for the step)."""
+class QuantizedBuilder(Protocol):
+    """How projections kept quantized are built (the execution layer chooses: layers/quantized.py's
+    QuantizedSetup): a weight packed for the kernels, a projection of packed parts."""
 
-    kernels: CpuKernels
-    max_rows: int
-    lm_head_max_rows: int  # the same for a quantized LM head (pagedllm/layers/quantized.py)
+    lm_head_max_rows: int
 
-    def pack(self, weight: QuantizedWeight) -> PackedWeight:
-        return pack(weight, self.kernels.quant_panel_width, self.kernels.quant_unsigned8)
+    def pack(self, weight: QuantizedWeight) -> PackedWeight: ...
 
-    def linear(self, weights: list[QuantizedWeight | PackedWeight], max_rows: int | None = None) -> QuantizedLinear:
-        parts = [w if isinstance(w, PackedWeight) else self.pack(w) for w in weights]
-        return QuantizedLinear(parts, self.kernels, self.max_rows if max_rows is None else max_rows)
+    def linear(self, weights: list[QuantizedWeight | PackedWeight], max_rows: int | None = None) -> QuantizedLinear: ...
 
 
 Fused = torch.Tensor | list[QuantizedWeight]
@@ -121,7 +127,7 @@ class DecoderLayer(nn.Module):
         "down_proj": (None, ("mlp.down_proj",)),
     }
 
-    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
+    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedBuilder | None = None) -> None:
         """Build the projections from the loaded weights; the Linear's copies (oneDNN's packed one,
         and the small-batch kernels' where they run) replace the weight.  Projections kept
         quantized become QuantizedLinears (`quantized` says how)."""
@@ -170,7 +176,7 @@ class DecoderLayer(nn.Module):
     def mlp(self, h: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return self.tp.all_reduce(self.linears["down_proj"](ops.silu_mul(self.linears["gate_up_proj"](h))))
 
-    def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedSetup | None) -> None:
+    def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedBuilder | None) -> None:
         """Weights a layer subclass holds beyond the llama layer's (none here)."""
 
     def normalize_heads(self, qkv: torch.Tensor, ops: LayerOps) -> None:
@@ -223,9 +229,9 @@ class LlamaModel(nn.Module):
         self.layer_rotary = [self.rotary if rope else no_rotary for rope in config.layer_rope]
         self.lm_head_linear: Linear | QuantizedLinear | None = None
         self.embed_packed: PackedWeight | None = None  # the embedding table, where it is kept quantized
-        # Decode-only steps in one C++ call: set by the execution layer (pagedllm/execution/rank_model.py)
-        # from `build_fused_decode` where it chose the C++ kernels; None runs the layer loop.
-        self.fused_decode: FusedDecode | None = None
+        # Decode-only steps in one call: set by the execution layer (execution/fused_step.py) where
+        # it chose the C++ kernels and `decode_math()` fits; None runs the layer loop.
+        self.fused_decode: DecodeStep | None = None
 
     def layer_class_for(self, index: int) -> type[DecoderLayer]:
         """The class of layer `index` (one class for every layer, unless a model mixes kinds)."""
@@ -236,7 +242,7 @@ class LlamaModel(nn.Module):
         weights: dict[str, torch.Tensor | QuantizedWeight],
         linear_backend: str = "torch",
         small_batch: bool = True,
-        quantized: QuantizedSetup | None = None,
+        quantized: QuantizedBuilder | None = None,
     ) -> None:
         """Copy Hugging Face-named float32 tensors in, fusing Q/K/V and gate/up, then
         build the projections with `linear_backend` (see pagedllm/layers/linear.py), with the
@@ -304,46 +310,15 @@ class LlamaModel(nn.Module):
         lm_head_kernels = kernels if self.lm_head.dtype == torch.bfloat16 else None
         self.lm_head_linear = Linear(self.lm_head.data, linear_backend, lm_head_kernels)
 
-    def build_fused_decode(self, kernels: CpuKernels) -> FusedDecode | None:
-        """This model's decode-only step in one call to `kernels` (pagedllm/layers/fused_decode.py),
-        or None where that call cannot run its layers exactly as the loop does: biases, q/k norm,
-        a subclass's own layer math, tensor parallelism, or a projection neither packed for the
-        small-batch kernels nor quantized.  The caller decides whether the C++ path is wanted at all."""
+    # The math of this model's layers, for the one-call decode step (execution/fused_step.py):
+    # "llama" for plain llama layers; a subclass with layers of its own declares its own or None.
+    layer_math: str | None = "llama"
+
+    def decode_math(self) -> str | None:
+        """`layer_math`, or None where this configuration adds math the one-call step lacks."""
         c = self.config
-        if not self.fused_decode_fits() or self.tp.size != 1 or any(r.length_dependent for r in self.layer_rotary):
-            return None
-        linears = [
-            layer.linears[n] for layer in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        ]
-        if not all(fusable(linear) for linear in linears):
-            return None
-        layers = [self.fused_layer(layer, rotary) for layer, rotary in zip(self.layers, self.layer_rotary)]
-        first = self.layers[0]
-        return FusedDecode(
-            kernels, layers, self.norm, dtype=self.embed_tokens.dtype, heads=first.num_heads,
-            kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=c.rms_norm_eps, q_scale=self.fused_q_scale(),
-        )  # fmt: skip
-
-    def fused_decode_fits(self) -> bool:
-        """Whether the fused step's layer math is this model's (a subclass with its own says so)."""
-        c = self.config
-        return (
-            type(self) is LlamaModel
-            and not c.attention_bias
-            and not c.qk_norm
-            and c.residual_multiplier == 1.0
-            and c.attention_multiplier is None
-        )
-
-    def fused_layer(self, layer: DecoderLayer, rotary: Rotary) -> FusedLayer:
-        linears = layer.linears
-        return FusedLayer(
-            layer.input_norm, linears["qkv_proj"], linears["o_proj"], layer.post_norm, linears["gate_up_proj"],
-            linears["down_proj"], layer.window, rotary.rotary_dim, rotary.cos32, rotary.sin32,
-        )  # fmt: skip
-
-    def fused_q_scale(self) -> float:
-        return 1.0
+        extras = c.attention_bias or c.qk_norm or c.residual_multiplier != 1.0 or c.attention_multiplier is not None
+        return None if extras else self.layer_math
 
     @staticmethod
     def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pagedllm.layers.moe import grouped_experts, route
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import DecoderLayer, LlamaModel, QuantizedSetup
+from pagedllm.models.llama import DecoderLayer, LlamaModel, QuantizedBuilder
 from pagedllm.models.sharding import ShardLayout
 
 
@@ -39,7 +39,7 @@ class MoeDecoderLayer(DecoderLayer):
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
 
-    def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedSetup | None) -> None:
+    def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedBuilder | None) -> None:
         p = prefix + "mlp."
         self.router.copy_(_dense(LlamaModel.take(weights, p + "gate.weight")))
         if p + "experts.gate_up_proj" in weights:  # transformers 5's stacked form
@@ -57,7 +57,7 @@ class MoeDecoderLayer(DecoderLayer):
             self.experts_gate_up[e].copy_(torch.cat([gate, up]))
             self.experts_down[e].copy_(_dense(LlamaModel.take(weights, q + "down_proj.weight")))
 
-    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedSetup | None = None) -> None:
+    def prepare_linears(self, backend: str, small_batch=None, quantized: QuantizedBuilder | None = None) -> None:
         """The attention projections as the llama layer builds them; each expert's gate/up and down
         as Linears of their own (the stacked weights are then dropped where the Linears copied them)."""
         super().prepare_linears(backend, small_batch, quantized)
@@ -79,5 +79,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class Qwen3MoeModel(LlamaModel):
+    layer_math = None  # experts: the layer loop runs every step
+
     def layer_class_for(self, index: int) -> type[DecoderLayer]:
         return MoeDecoderLayer if self.config.layer_moe[index] else DecoderLayer
