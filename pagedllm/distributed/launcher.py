@@ -123,6 +123,24 @@ def external_rank(config: EngineConfig) -> TensorParallel:
     return TensorParallel(rank, size)
 
 
+def start_ranks(config: EngineConfig) -> tuple[TensorParallel, WorkerGroup | None]:
+    """This process's place in tensor parallelism, with the workers it started (rank 0 of a
+    spawned group).  A process that a launcher (torchrun) started as a rank other than 0 becomes
+    that rank's worker here: it serves rank 0's steps until they end, then the process exits, so
+    this call never returns there."""
+    if config.tensor_parallel_size == 1:
+        return TensorParallel(), None
+    tp = external_rank(config) if config.distributed_init_method else TensorParallel(0, config.tensor_parallel_size)
+    if tp.rank != 0:
+        from pagedllm.distributed.worker import run_worker
+
+        run_worker(config, tp)
+        raise SystemExit(0)
+    workers = WorkerGroup(config)
+    workers.start()
+    return tp, workers
+
+
 def init_external_group(config: EngineConfig, tp: TensorParallel) -> None:
     dist.init_process_group(
         process_group_backend(config),

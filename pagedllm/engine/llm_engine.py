@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.contiguous_kv import ContiguousKVCacheManager
+from pagedllm.core.kv_cache import KVCache
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_metrics import KVMemoryTracker
 from pagedllm.core.outputs import RequestOutput
@@ -19,13 +20,13 @@ from pagedllm.core.request_group import RequestGroup
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.speculation import Speculation, StepCost
-from pagedllm.distributed.launcher import RankMemory, WorkerGroup, external_rank, gather_rank_memory, rss_bytes
+from pagedllm.distributed.launcher import RankMemory, gather_rank_memory, rss_bytes, start_ranks
 from pagedllm.engine.intake import RequestIntake
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
 from pagedllm.engine.state import EngineInfo, RunCounters, begin_run, engine_state, kv_picture, run_report
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
-from pagedllm.execution.rank_model import build_rank_model
+from pagedllm.execution.rank_model import RankModel, build_rank_model
 from pagedllm.execution.step_cost import measure_step_cost
 from pagedllm.execution.structured_output import StructuredOutputs
 from pagedllm.execution.thread_control import AdaptiveThreads
@@ -49,30 +50,93 @@ class EngineStats:
     kv_peak_blocks_used: int = 0
 
 
+def make_kv_cache(config: EngineConfig, num_blocks: int, max_model_len: int, group_windows: tuple[int, ...]) -> KVCache:
+    if config.kv_layout == "contiguous":
+        return ContiguousKVCacheManager(num_blocks, config.block_size, max_model_len, config.reserve)
+    return KVCacheManager(
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        group_windows=group_windows,
+        record_events=config.record_kv_events,
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        """Assembled from its parts: the ranks, the model on its device (runner), the KV cache,
+        the scheduler, and the request intake and output processing around them."""
         self.config = config
-        self.workers: WorkerGroup | None = None
-        tp = TensorParallel()
-        if config.tensor_parallel_size > 1:
-            tp = TensorParallel(0, config.tensor_parallel_size)
-            if config.distributed_init_method:
-                tp = external_rank(config)
-            if tp.rank != 0:  # a launcher started this process as a worker: serve rank 0's steps, then leave
-                from pagedllm.distributed.worker import run_worker
-
-                run_worker(config, tp)
-                raise SystemExit(0)
-            self.workers = WorkerGroup(config)
-            self.workers.start()
-        elif config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        # One rank, no thread count given: use the cores other processes leave free (thread_control.py).
-        self.threads = (
-            AdaptiveThreads(torch.set_num_threads, max_threads=torch.get_num_threads())
-            if config.tensor_parallel_size == 1 and not config.num_threads and config.adaptive_threads
-            else None
+        tp, self.workers = start_ranks(config)  # a launched worker rank never returns from it
+        self.threads = self._thread_policy(config)
+        built = self._build_runner(config, tp)
+        self.model_config = model_config = built.model_config
+        self.dtype, self.kv_dtype, self.device = built.dtype, built.kv_dtype, built.device
+        self.layer_groups = built.groups  # which layers share a block, and which free theirs
+        self.kv_block_bytes = built.bytes_per_token * config.block_size * tp.size  # one pool block, all ranks
+        self.linear_backend = built.linear_backend
+        self.weights = built.weights  # native (a GGUF's quantized blocks) or dequantized
+        self.weights_summary = built.weights_summary  # what each tensor type runs as, the resident bytes
+        self.max_model_len = built.max_model_len
+        self.model_path = built.path  # the resolved file or directory the weights came from
+        self.tokenizer = Tokenizer(built.path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = model_config.eos_token_id
+        # Constrained sequences' grammar matchers; they use the tokenizer on this (the engine's) thread only.
+        self.runner.structured = StructuredOutputs(
+            self.tokenizer.hf, model_config.vocab_size, self.eos_token_id, self.runner.sampler.kernels
         )
+        self.rank_memory = gather_rank_memory(
+            tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
+        )
+        self.kv_cache = make_kv_cache(config, built.num_blocks, self.max_model_len, built.groups.windows)
+        self.speculation = self._speculation(config)
+        self.scheduler = self._make_scheduler(config, built)
+        self._log_start(built, tp)
+        self.table = RequestTable(self.runner.release)
+        self.intake = RequestIntake(
+            self.table,
+            self.scheduler,
+            self.runner.structured,
+            self.tokenizer,
+            model_config.vocab_size,
+            self.eos_token_id,
+            self.max_model_len,
+            paged=config.kv_layout == "paged",
+        )
+        self.output_processor = OutputProcessor(
+            self.table, self.scheduler, self.tokenizer, self.eos_token_id, self.max_model_len
+        )
+        self.stats = EngineStats()
+        self.memory = KVMemoryTracker()
+        self._step_failures = 0  # forward-pass failures in a row
+        self._step_error = ""
+        self.info = EngineInfo(
+            model_path=str(built.path),
+            max_model_len=self.max_model_len,
+            vocab_size=model_config.vocab_size,
+            eos_token_id=self.eos_token_id,
+            block_size=config.block_size,
+            num_blocks=built.num_blocks,
+            kv_layout=config.kv_layout,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
+
+    @staticmethod
+    def _thread_policy(config: EngineConfig) -> AdaptiveThreads | None:
+        """One rank, no thread count given: use the cores other processes leave free (thread_control.py)."""
+        if config.tensor_parallel_size == 1 and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.tensor_parallel_size == 1 and not config.num_threads and config.adaptive_threads:
+            return AdaptiveThreads(torch.set_num_threads, max_threads=torch.get_num_threads())
+        return None
+
+    def _build_runner(self, config: EngineConfig, tp: TensorParallel) -> RankModel:
+        """This rank's model on its device and the runner around it (CUDA graphs where they fit);
+        the workers, if any, are connected once it stands, and stopped if it fails."""
         try:
             built = build_rank_model(config, tp)
             self.runner = ModelRunner.for_rank(built, config)
@@ -91,49 +155,17 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown(send=False)
             raise
-        model_config, num_blocks = built.model_config, built.num_blocks
-        self.dtype = built.dtype
-        self.kv_dtype = built.kv_dtype
-        self.layer_groups = built.groups  # which layers share a block, and which free theirs
-        self.kv_block_bytes = built.bytes_per_token * config.block_size * tp.size  # one pool block, all ranks
-        self.device = built.device
-        self.model_config = model_config
-        self.linear_backend = built.linear_backend
-        self.weights = built.weights  # native (a GGUF's quantized blocks) or dequantized
-        self.weights_summary = built.weights_summary  # what each tensor type runs as, the resident bytes
-        self.max_model_len = built.max_model_len
-        self.model_path = built.path  # the resolved file or directory the weights came from
-        self.tokenizer = Tokenizer(built.path)
-        self.eos_token_id = self.tokenizer.eos_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = model_config.eos_token_id
-        # Constrained sequences' grammar matchers; they use the tokenizer on this (the engine's) thread only.
-        self.runner.structured = StructuredOutputs(
-            self.tokenizer.hf, model_config.vocab_size, self.eos_token_id, self.runner.sampler.kernels
-        )
-        self.rank_memory = gather_rank_memory(
-            tp, RankMemory(0, built.model.weight_bytes(), self.runner.kv_cache_bytes, rss_bytes())
-        )
+        return built
 
-        if config.kv_layout == "contiguous":
-            self.kv_cache = ContiguousKVCacheManager(num_blocks, config.block_size, self.max_model_len, config.reserve)
-        else:
-            self.kv_cache = KVCacheManager(
-                num_blocks,
-                config.block_size,
-                config.enable_prefix_caching,
-                group_windows=built.groups.windows,
-                record_events=config.record_kv_events,
-            )
+    def _make_scheduler(self, config: EngineConfig, built: RankModel) -> Scheduler:
         rotary = built.model.rotary
-        self.speculation = self._speculation(config)
         exact = self.speculation is not None and config.speculative_exact
         self.draft_row_limits = built.model.kernel_row_limits() if exact else ()
         if exact:
             logger.info(
                 "speculative decoding: drafts keep a step within the row ranges ending at %s", self.draft_row_limits
             )
-        self.scheduler = Scheduler(
+        return Scheduler(
             self.kv_cache,
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -143,8 +175,10 @@ class LLMEngine:
             draft_filter=self._draft_filter if self.speculation is not None else None,
             draft_row_limits=self.draft_row_limits,
         )
+
+    def _log_start(self, built: RankModel, tp: TensorParallel) -> None:
+        config, c, num_blocks = self.config, built.model_config, built.num_blocks
         tokens = num_blocks * config.block_size
-        c = model_config
         logger.info(
             "model %s (%s on %s, %d layers, %s linears); %s %s KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB "
             "(%s); max model length %d -> %.2fx concurrency at full length",
@@ -178,37 +212,6 @@ class LLMEngine:
                     m.kv_cache_bytes / 2**20,
                     m.rss_bytes / 2**20,
                 )
-
-        self.table = RequestTable(self.runner.release)
-        self.intake = RequestIntake(
-            self.table,
-            self.scheduler,
-            self.runner.structured,
-            self.tokenizer,
-            model_config.vocab_size,
-            self.eos_token_id,
-            self.max_model_len,
-            paged=config.kv_layout == "paged",
-        )
-        self.output_processor = OutputProcessor(
-            self.table, self.scheduler, self.tokenizer, self.eos_token_id, self.max_model_len
-        )
-        self.stats = EngineStats()
-        self.memory = KVMemoryTracker()
-        self._step_failures = 0  # forward-pass failures in a row
-        self._step_error = ""
-        self.info = EngineInfo(
-            model_path=str(built.path),
-            max_model_len=self.max_model_len,
-            vocab_size=model_config.vocab_size,
-            eos_token_id=self.eos_token_id,
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            kv_layout=config.kv_layout,
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
 
     def _speculation(self, config: EngineConfig) -> Speculation | None:
         if config.speculative == "off":
