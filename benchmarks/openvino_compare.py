@@ -28,7 +28,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from pagedllm.benchmarking.compare import alternate, machine, offline_report, print_offline
+from pagedllm.benchmarking.compare import alternate, machine, offline_header, offline_report, print_offline
 from pagedllm.benchmarking.datasets import load_workload
 from pagedllm.benchmarking.peers import openvino_model, openvino_version, peer_directory, run_openvino_offline
 from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
@@ -68,11 +68,7 @@ def main() -> int:
     results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
     ours, theirs = results["pagedllm"], results["openvino"]
     report = {
-        "workload": Path(args.workload).name,
-        "requests": len(requests),
-        "dtype": dtype,
-        "repeats": args.repeats,
-        "machine": machine(),
+        **offline_header(args.workload, len(requests), dtype, args.repeats),
         "settings": {
             "pagedllm": dataclasses.asdict(config),
             "openvino": {

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from pagedllm.benchmarking.compare import alternate, machine, offline_report, print_offline
+from pagedllm.benchmarking.compare import alternate, machine, offline_header, offline_report, print_offline
 from pagedllm.benchmarking.datasets import DatasetSpec, generate_dataset, load_workload, save_workload
 from pagedllm.benchmarking.peers import peer_directory, run_vllm_offline, vllm_env, vllm_settings, vllm_version
 from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, warmup_requests
@@ -117,11 +117,7 @@ def main() -> int:
     results = alternate(runs, args.repeats, log=lambda line: print(line, flush=True))
     ours, theirs = results["pagedllm"], results["vllm"]
     report = {
-        "workload": Path(args.workload).name,
-        "requests": len(requests),
-        "dtype": dtype,
-        "repeats": args.repeats,
-        "machine": machine(),
+        **offline_header(args.workload, len(requests), dtype, args.repeats),
         "settings": {
             "pagedllm": dataclasses.asdict(config),
             "vllm": {

@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedllm.layers.cpu_kernels import cpu_flags, cpu_summary
 
@@ -117,6 +118,17 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 7) -> dict:
 # What an offline comparison reports per engine, and what it keeps of each pagedllm run.
 OFFLINE_FIGURES = ("output_tokens_per_s", "total_tokens_per_s", "wall_s", "startup_s")
 KEPT_RUN_FIELDS = set(OFFLINE_FIGURES) | {"round", "position", "output_tokens", "peak_running", "steps", "preemptions"}
+
+
+def offline_header(workload: str, num_requests: int, dtype: str, repeats: int) -> dict:
+    """What an offline comparison ran: the workload, its size, the dtype, the rounds, the machine."""
+    return {
+        "workload": Path(workload).name,
+        "requests": num_requests,
+        "dtype": dtype,
+        "repeats": repeats,
+        "machine": machine(),
+    }
 
 
 def offline_report(peer: str, ours: list[dict], theirs: list[dict]) -> dict:
