@@ -35,22 +35,22 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB"))
     rng = random.Random(0)
     params = SamplingParams(beam_width=args.beam_width, n=args.beam_width, max_tokens=args.max_tokens, ignore_eos=True)
-    engine.memory.reset(engine.scheduler)
+    before = engine.begin_run()
     start = time.perf_counter()
     for i in range(args.prompts):
         engine.add_request([rng.randrange(100, 49000) for _ in range(args.prompt_len)], params, f"beam-{i}")
     outputs = engine.wait_all()
     wall = time.perf_counter() - start
-    memory = engine.memory.summary(engine.scheduler)
-    block = engine.kv_cache.block_size
+    report = engine.run_report(before)
+    block = engine.info.block_size
     result = {
         "setup": vars(args),
         "wall_s": round(wall, 2),
         "hypotheses": sum(len(o.outputs) for o in outputs),
-        "kv_peak_blocks_used": memory["kv_allocated_peak"] // block,
-        "kv_peak_blocks_unshared": memory["kv_unshared_peak"] // block,
-        "cow_copies": engine.scheduler.num_cow_copies,
-        "forks": engine.scheduler.num_forks,
+        "kv_peak_blocks_used": report["kv_allocated_peak"] // block,
+        "kv_peak_blocks_unshared": report["kv_unshared_peak"] // block,
+        "cow_copies": report["cow_copies"],
+        "forks": report["forks"],
     }
     result["peak_blocks_shared_over_unshared"] = round(
         result["kv_peak_blocks_used"] / result["kv_peak_blocks_unshared"], 4

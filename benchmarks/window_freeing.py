@@ -33,13 +33,12 @@ def watch_request_memory(engine: LLMEngine, context: int) -> dict[str, tuple[int
 
     def watched():
         outputs = step()
-        kv = engine.kv_cache
-        for request in engine.scheduler.running:
-            if request.num_computed_tokens >= context:
-                held = sum(1 for b in kv.block_table(request.request_id) if b != FREED)
-                blocks = -(-request.num_computed_tokens // kv.block_size)
-                full = blocks * getattr(kv, "num_groups", 1)
-                record[request.request_id] = (held * engine.kv_block_bytes, full * engine.kv_block_bytes)
+        info = engine.info
+        for request in engine.kv_picture()["running_requests"]:
+            if request["computed"] >= context:
+                held = sum(1 for b in request["block_table"] if b != FREED)
+                full = -(-request["computed"] // info.block_size) * info.num_layer_groups
+                record[request["id"]] = (held * engine.kv_block_bytes, full * engine.kv_block_bytes)
         return outputs
 
     engine.step = watched

@@ -123,6 +123,7 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             tensor_parallel_size=config.tensor_parallel_size,
+            num_layer_groups=self.kv_cache.num_groups,
         )
 
     @staticmethod

@@ -32,6 +32,7 @@ class EngineInfo:
     dtype: str
     kv_cache_dtype: str
     tensor_parallel_size: int
+    num_layer_groups: int  # each request holds a block table per group (1 unless windows free blocks)
 
 
 def engine_state(engine: LLMEngine) -> dict:
