@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False, servin
             else:
                 g.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_text)
             continue
+        if kind == "list":
+            g.add_argument(flag, dest=f.name, action="append", default=[], metavar="NAME=PATH", help=help_text)
+            continue
         default = f.default
         if f.name == "prefill_tokens_with_decodes" and serving:
             default = SERVE_PREFILL_TOKENS_WITH_DECODES
@@ -124,6 +127,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
         if kind == "bool":
             if value != f.default or value:
                 flags.append(flag_of(f) if value else f.metadata["off_flag"])
+        elif kind == "list":
+            for item in value:
+                flags += [flag_of(f), str(item)]
         elif value is None:
             if kind == "optional-int":
                 flags += [flag_of(f), "none"]

@@ -201,6 +201,15 @@ class EngineConfig:
         "(default: measured at start, with the cost of a row's context)",
         kind="float",
     )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "a LoRA adapter to load at start, NAME=PATH (a PEFT directory; repeatable); a request picks it by name "
+        "(docs/lora.md)",
+        kind="list",
+        flag="--lora",
+    )
+    max_loras: int = setting(8, "most LoRA adapters loaded at once", kind="int")
+    max_lora_rank: int = setting(64, "highest rank a LoRA adapter may have", kind="int")
     distributed_init_method: str | None = setting(
         None, "join ranks started by a launcher: env:// (torchrun), tcp://HOST:PORT or file://PATH", kind="str"
     )
@@ -227,6 +236,8 @@ class EngineConfig:
             "max_num_seqs",
             "tensor_parallel_size",
             "num_speculative_tokens",
+            "max_loras",
+            "max_lora_rank",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -242,6 +253,16 @@ class EngineConfig:
                     f"distributed_init_method must be env://, tcp://HOST:PORT or file://PATH, "
                     f"got {self.distributed_init_method!r}"
                 )
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = (self.lora_modules,)
+        self.lora_modules = tuple(self.lora_modules)
+        for spec in self.lora_modules:
+            if not isinstance(spec, str) or "=" not in spec or not spec.split("=", 1)[0] or not spec.split("=", 1)[1]:
+                raise ValueError(f"a LoRA adapter is given as NAME=PATH, got {spec!r:.200}")
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters need tensor_parallel_size 1: tensor parallelism does not split them yet")
+        if self.lora_modules and self.speculative != "off":
+            raise ValueError("LoRA adapters need speculative='off': drafts are not verified under adapters yet")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 

@@ -60,18 +60,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in the prompts' order.  A prompt is text or a list of token ids."""
+        """One output per prompt, in the prompts' order.  A prompt is text or a list of token ids.
+        `lora`: a LoRA adapter for every prompt or one per prompt (None: the base model), each the
+        name of a loaded adapter or a PEFT directory, loaded under its path on first use."""
         prompts, params = prompts_and_params(prompts, params)
         if not prompts:
             return []
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA adapters")
+        for name in set(adapters) - {None}:
+            self.use_lora(name)
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
+            for prompt, p, adapter in zip(prompts, params, adapters):
+                ids.append(engine.add_request(prompt, p, lora=adapter))
             wanted = set(ids)
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
                 while len(results) < len(ids):
@@ -86,6 +94,12 @@ class LLM:
                     engine.abort_request(request_id)
             raise
         return [results[i] for i in ids]
+
+    def use_lora(self, name_or_path: str) -> None:
+        """Load the PEFT adapter directory `name_or_path` under its path, unless an adapter of
+        that name is loaded."""
+        if name_or_path not in {a["name"] for a in self.engine.lora_adapters()}:
+            self.engine.load_lora(name_or_path, name_or_path)
 
     def beam_search(
         self,

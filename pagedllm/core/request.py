@@ -75,6 +75,8 @@ class Request:
     # n>1: the other samples, waiting to fork from this sequence when its prompt is computed.
     forks: list[Request] = field(default_factory=list)
     fork_parent: Request | None = None
+    # The LoRA adapter it runs under: the key of one load (execution/lora_adapters.py); None: the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -48,6 +48,10 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
 
     @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
+
+    @property
     def token_ids(self) -> list[int]:
         end = self.start + self.num_new_tokens - len(self.draft_token_ids)
         ids = self.request.token_ids[self.start : end]
@@ -136,7 +140,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def _salt(self, request: Request) -> bytes:
-        return b"" if self.prompt_salt is None else self.prompt_salt(request.num_prompt_tokens)
+        # A request's KV depends on its adapter: blocks computed under one never serve another.
+        salt = b"" if self.prompt_salt is None else self.prompt_salt(request.num_prompt_tokens)
+        return salt if request.adapter is None else salt + b"lora:" + request.adapter.encode()
 
     @property
     def num_unfinished(self) -> int:

@@ -47,6 +47,9 @@ class Chunk(Protocol):
     def token_ids(self) -> list[int]: ...
 
     @property
+    def adapter(self) -> str | None: ...  # the key of the LoRA adapter it runs under
+
+    @property
     def block_table(self) -> list[int]: ...
 
 
@@ -60,6 +63,7 @@ class ChunkPlan:
     block_table: list[int]
     num_samples: int
     num_prompt_tokens: int
+    adapter: str | None = None  # tensor parallelism runs no adapters
 
     @property
     def num_new_tokens(self) -> int:

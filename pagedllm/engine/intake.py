@@ -39,7 +39,10 @@ class RequestIntake:
     def __post_init__(self) -> None:
         self._ids = itertools.count()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None, adapter: str | None = None
+    ) -> str:
+        """Queue a request; `adapter`: the key of the LoRA adapter it runs under (None: the base model)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -58,7 +61,7 @@ class RequestIntake:
             raise ValueError("n > 1 shares the prompt's blocks between samples: it needs kv_layout='paged'")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if params.beam_width > 1:
-            return self.add_beam_search(request_id, text, token_ids, params)
+            return self.add_beam_search(request_id, text, token_ids, params, adapter)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if self.table.in_use(request_id, seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -66,7 +69,12 @@ class RequestIntake:
             self.structured.add(seq_ids, params.structured_output)
         sequences = [
             Request(
-                s, token_ids, params.for_sample(i) if params.n > 1 else params, self.eos_token_id, self.max_model_len
+                s,
+                token_ids,
+                params.for_sample(i) if params.n > 1 else params,
+                self.eos_token_id,
+                self.max_model_len,
+                adapter=adapter,
             )
             for i, s in enumerate(seq_ids)
         ]
@@ -84,7 +92,9 @@ class RequestIntake:
         self.table.add(RequestGroup(request_id, text, sequences, detokenizers))
         return request_id
 
-    def add_beam_search(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+    def add_beam_search(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, adapter: str | None
+    ) -> str:
         """A beam-search request starts as one sequence; each step its live beams fork into the next ones."""
         if not self.paged:
             raise ValueError("beam search shares blocks between beams: it needs kv_layout='paged'")
@@ -93,7 +103,9 @@ class RequestIntake:
         width = params.beam_width
         # Beams only compute and report their 2W best next tokens; the search picks the tokens.
         beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2 * width)
-        first = Request(f"{request_id}~0", token_ids, beam_params, self.eos_token_id, self.max_model_len)
+        first = Request(
+            f"{request_id}~0", token_ids, beam_params, self.eos_token_id, self.max_model_len, adapter=adapter
+        )
         state = BeamSearchState(
             width,
             first.max_total_tokens - len(token_ids),

@@ -25,6 +25,7 @@ from pagedllm.engine.intake import RequestIntake
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
 from pagedllm.engine.state import EngineInfo, RunCounters, begin_run, engine_state, kv_picture, run_report
+from pagedllm.execution.lora_adapters import LoraAdapters
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import RankModel, build_rank_model
 from pagedllm.execution.step_cost import measure_step_cost
@@ -92,6 +93,10 @@ class LLMEngine:
         )
         self.kv_cache = make_kv_cache(config, built.num_blocks, self.max_model_len, built.groups.windows)
         self.speculation = self._speculation(config)
+        self.adapters = self.runner.adapters = LoraAdapters(
+            model_config, self.dtype, self.device, config.max_loras, config.max_lora_rank
+        )
+        self.lora_refusal = self._lora_refusal(config, built)
         self.scheduler = self._make_scheduler(config, built)
         self._log_start(built, tp)
         self.table = RequestTable(self.runner.release)
@@ -125,6 +130,8 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             num_layer_groups=self.kv_cache.num_groups,
         )
+        for spec in config.lora_modules:
+            self.load_lora(*spec.split("=", 1))
 
     @staticmethod
     def _thread_policy(config: EngineConfig) -> AdaptiveThreads | None:
@@ -236,6 +243,17 @@ class LLMEngine:
         )
         return Speculation.build(config.speculative, config.num_speculative_tokens, cost)
 
+    @staticmethod
+    def _lora_refusal(config: EngineConfig, built: RankModel) -> str:
+        """Why this engine cannot run LoRA adapters ('' where it can)."""
+        if not built.model.supports_lora:
+            return f"the {built.model_config.architecture} architecture's layers take no adapters"
+        if config.tensor_parallel_size > 1:
+            return "tensor parallelism does not split adapters yet (tensor_parallel_size must be 1)"
+        if config.speculative != "off":
+            return "speculative decoding does not verify drafts under adapters yet (speculative must be off)"
+        return ""
+
     def _draft_filter(self, request: Request, draft: list[int]) -> int:
         """How many leading draft tokens the request's grammar allows (all, unconstrained)."""
         try:
@@ -262,11 +280,36 @@ class LLMEngine:
         return self.table.sequences
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queue a request (pagedllm/engine/intake.py checks it); with `params.n > 1` its samples
-        fork from one computed prompt."""
-        return self.intake.add_request(prompt, params or SamplingParams(), request_id)
+        fork from one computed prompt.  `lora`: the name of a loaded LoRA adapter to run it under."""
+        adapter = None if lora is None else self.adapters.key_of(lora)
+        return self.intake.add_request(prompt, params or SamplingParams(), request_id, adapter)
+
+    # --- LoRA adapters (execution/lora_adapters.py) -------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at `path` as `name`; requests then pick it by name."""
+        if self.lora_refusal:
+            raise ValueError(f"LoRA adapters cannot run here: {self.lora_refusal}")
+        self.adapters.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; refused while a request runs under it."""
+        key = self.adapters.key_of(name)
+        users = sum(1 for r in self.table.sequences.values() if r.adapter == key)
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {users} unfinished request(s)")
+        self.adapters.unload(name)
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded adapters: name, path, bytes."""
+        return self.adapters.describe()
 
     @property
     def grammars(self) -> StructuredOutputs:

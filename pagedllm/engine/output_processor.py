@@ -141,6 +141,7 @@ class OutputProcessor:
                 self.eos_token_id,
                 self.max_model_len,
                 arrival_time=parent.arrival_time,
+                adapter=parent.adapter,
             )
             child.adopt_output([*parent.output_token_ids, beam.token_id])
             child.first_token_time = group.first_token_time = group.first_token_time or time.monotonic()

@@ -32,6 +32,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.core.step_message import Chunk, StepEncoder
 from pagedllm.execution.logits_processors import TokenHistory
+from pagedllm.execution.lora_adapters import LoraAdapters
 from pagedllm.execution.memory_commit import commit_in_background
 from pagedllm.execution.sampler import Sampler, argmax_only, token_seed
 from pagedllm.execution.structured_output import StructuredOutputError, StructuredOutputs
@@ -97,6 +98,7 @@ class VerifyRow:
     num_prompt_tokens: int
     num_samples: int = 1
     draft_index: int = 0  # 0: the request's pending token; j: its j-th draft
+    adapter: str | None = None  # speculation runs no adapters
 
     @property
     def num_new_tokens(self) -> int:
@@ -176,6 +178,7 @@ class ModelRunner:
         self.structured: StructuredOutputs | None = None  # set by the engine (rank 0 samples)
         self.encoder = StepEncoder() if self.tp.size > 1 else None
         self.step_message_bytes = 0  # total bytes of step messages broadcast (rank 0, tensor parallel)
+        self.adapters: LoraAdapters | None = None  # LoRA adapters, set by the engine where it allows them
 
     @classmethod
     def for_rank(cls, built: RankModel, config: EngineConfig) -> ModelRunner:
@@ -366,12 +369,13 @@ class ModelRunner:
         sampled rows; None where nothing samples, and on ranks other than 0.  `float32=False`:
         the logits may stay in the model's dtype (see `compute_logits`)."""
         self.copy_blocks(block_copies)
-        if self.graphs is not None:
+        lora = self.adapters.for_step(chunks) if self.adapters is not None else None
+        if self.graphs is not None and lora is None:
             logits = self.graphs.run(chunks)
             if logits is not None:  # a decode-only step that a captured graph covers
                 return logits
         step = self.prepare(chunks)
-        hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, step.rope_lengths)
+        hidden = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, step.rope_lengths, lora)
         if not step.logits_rows.numel():
             return None
         # The logits are sampled before the next step runs, so the head's outputs can reuse buffers.

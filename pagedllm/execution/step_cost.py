@@ -67,7 +67,8 @@ def measure_step_cost(
     # The widest row count again, each row at a long context (one block, named over and over): a
     # draft row re-reads its request's context, which the request's first row has just brought
     # into the cache.
-    rows, blocks = row_counts[-1], LONG_CONTEXT // bs
+    # At most the model's longest context: positions past its rotary table are refused.
+    rows, blocks = row_counts[-1], max(1, min(LONG_CONTEXT, runner.model.rotary.max_len) // bs)
     long = [VerifyRow(blocks * bs - 1 - j % bs, [0], [padding] * blocks, 1) for j in range(rows)]
     short_steps = [[VerifyRow(j % bs, [0], [padding], 1) for j in range(r)] for r in row_counts]
     *times, long_time = _times(runner, [*short_steps, long], repeats)
@@ -80,7 +81,7 @@ def measure_step_cost(
     slope = max(slope, 1e-6)
     short_context = sum(j % bs + 1 for j in range(rows))
     long_context = sum(blocks * bs - j % bs for j in range(rows))
-    per_token = max(long_time - times[-1], 0.0) / (long_context - short_context)
+    per_token = max(long_time - times[-1], 0.0) / max(long_context - short_context, 1)
     per_sampled_row = _sampling_time(runner, rows, repeats) / rows
     cost = StepCost(slope / base, per_token / base, per_sampled_row / base)
     logger.info(

@@ -16,12 +16,13 @@ from torch import nn
 
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.fused_ops import LayerOps
+from pagedllm.layers.lora import LayerLora, LoraStep
 from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.rotary import Rotary, RotaryStep
 from pagedllm.layers.tensor_parallel import TensorParallel
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedBuilder, per_layer
+from pagedllm.models.llama import AttentionFn, DecoderLayer, LlamaModel, QuantizedBuilder
 from pagedllm.models.sharding import ShardLayout
 
 
@@ -61,19 +62,20 @@ class Gemma3DecoderLayer(DecoderLayer):
         rotary: RotaryStep,
         attention: AttentionFn,
         ops: LayerOps,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
-        linears, eps, norm = self.linears, self.eps, ops.gemma_norm
+        eps, norm = self.eps, ops.gemma_norm
         if delta is not None:
             residual.add_(delta)
-        qkv = linears["qkv_proj"](norm(residual, self.input_norm, eps))
+        qkv = self.project("qkv_proj", norm(residual, self.input_norm, eps), lora)
         self.normalize_heads(qkv, ops)
         q = ops.rope_write_kv(qkv, rotary, kv_cache, meta.slot_mapping, self.num_heads)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
+        attn = self.tp.all_reduce(self.project("o_proj", attention(q, kv_cache, meta, self.window), lora))
         residual.add_(norm(attn, self.post_norm, eps))
-        gate_up = linears["gate_up_proj"](norm(residual, self.pre_ffn_norm, eps))
-        mlp = self.tp.all_reduce(linears["down_proj"](ops.gelu_tanh_mul(gate_up)))
+        gate_up = self.project("gate_up_proj", norm(residual, self.pre_ffn_norm, eps), lora)
+        mlp = self.tp.all_reduce(self.project("down_proj", ops.gelu_tanh_mul(gate_up), lora))
         return norm(mlp, self.post_ffn_norm, eps)
 
 
@@ -119,16 +121,12 @@ class Gemma3Model(LlamaModel):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
         rope_lengths: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        residual, delta = self.embed(input_ids) * self.embed_scale, None
-        if self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
+        residual = self.embed(input_ids) * self.embed_scale
+        if lora is None and self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
             return self.fused_decode(residual, positions, kv_caches, meta)
-        layers = zip(
-            self.layers, kv_caches, per_layer(meta, len(self.layers)), self.step_rotary(positions, rope_lengths)
-        )
-        for layer, kv_cache, layer_meta, rotary in layers:
-            delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops)
-        residual.add_(delta)
+        residual.add_(self.run_layers(residual, positions, kv_caches, meta, rope_lengths, lora))
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 
     layer_math = "gemma3"

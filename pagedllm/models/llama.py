@@ -22,6 +22,7 @@ from torch import nn
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.fused_ops import LayerOps, TorchOps, rms_norm
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.lora import LayerLora, LoraStep
 from pagedllm.layers.output_buffers import OutputBuffers
 from pagedllm.layers.quantized import (
     PackedWeight,
@@ -151,12 +152,13 @@ class DecoderLayer(nn.Module):
         rotary: RotaryStep,
         attention: AttentionFn,
         ops: LayerOps,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         """Adds the previous layer's output `delta` to the residual stream (in place) and returns
-        this layer's output, to be added by the next layer (or the final norm)."""
-        linears = self.linears
+        this layer's output, to be added by the next layer (or the final norm).  `lora`: the
+        step's adapters, added to the projections of the rows that name one."""
         h = ops.add_rms_norm(delta, residual, self.input_norm, self.eps)
-        qkv = linears["qkv_proj"](h)
+        qkv = self.project("qkv_proj", h, lora)
         if self.qkv_bias is not None:
             qkv += self.qkv_bias
         if self.q_norm is not None:
@@ -165,16 +167,22 @@ class DecoderLayer(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         # Row-parallel projections: each rank adds its heads' (its MLP slice's) share.
-        attn = self.tp.all_reduce(linears["o_proj"](attention(q, kv_cache, meta, self.window)))
+        attn = self.tp.all_reduce(self.project("o_proj", attention(q, kv_cache, meta, self.window), lora))
         if self.residual_multiplier != 1.0:
             attn = attn * self.residual_multiplier
 
         h = ops.add_rms_norm(attn, residual, self.post_norm, self.eps)
-        out = self.mlp(h, ops)
+        out = self.mlp(h, ops, lora)
         return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
 
-    def mlp(self, h: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.tp.all_reduce(self.linears["down_proj"](ops.silu_mul(self.linears["gate_up_proj"](h))))
+    def project(self, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+        """Projection `name` of `x`, plus the step's adapters' updates where it has any."""
+        y = self.linears[name](x)
+        return y if lora is None else lora.add(name, x, y)
+
+    def mlp(self, h: torch.Tensor, ops: LayerOps, lora: LayerLora | None = None) -> torch.Tensor:
+        gate_up = self.project("gate_up_proj", h, lora)
+        return self.tp.all_reduce(self.project("down_proj", ops.silu_mul(gate_up), lora))
 
     def load_extra_weights(self, weights: dict, prefix: str, quantized: QuantizedBuilder | None) -> None:
         """Weights a layer subclass holds beyond the llama layer's (none here)."""
@@ -313,6 +321,8 @@ class LlamaModel(nn.Module):
     # The math of this model's layers, for the one-call decode step (execution/fused_step.py):
     # "llama" for plain llama layers; a subclass with layers of its own declares its own or None.
     layer_math: str | None = "llama"
+    # Whether LoRA adapters may target this model's projections (layers/lora.py).
+    supports_lora = True
 
     def decode_math(self) -> str | None:
         """`layer_math`, or None where this configuration adds math the one-call step lacks."""
@@ -334,21 +344,38 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
         rope_lengths: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """`kv_caches` and (with layer groups, core/layer_groups.py) `meta`: one per layer.
         `rope_lengths`: per token, the sequence length its rotary is for (see layers/rotary.py);
-        needed only where `self.rotary.length_dependent`."""
-        residual, delta = self.embed(input_ids), None
+        needed only where `self.rotary.length_dependent`.  `lora`: the step's LoRA adapters."""
+        residual = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             residual = residual * self.config.embedding_multiplier
-        if self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
+        if lora is None and self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
             return self.fused_decode(residual, positions, kv_caches, meta)
+        delta = self.run_layers(residual, positions, kv_caches, meta, rope_lengths, lora)
+        return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
+
+    def run_layers(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata | list[AttentionMetadata],
+        rope_lengths: torch.Tensor | None,
+        lora: LoraStep | None,
+    ) -> torch.Tensor:
+        """Every layer over the embedded tokens (the residual stream, updated in place): the last
+        layer's output, not yet added to it."""
+        delta = None
         layers = zip(
             self.layers, kv_caches, per_layer(meta, len(self.layers)), self.step_rotary(positions, rope_lengths)
         )
-        for layer, kv_cache, layer_meta, rotary in layers:
-            delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops)
-        return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
+        for i, (layer, kv_cache, layer_meta, rotary) in enumerate(layers):
+            layer_lora = None if lora is None else lora.layer(i)
+            delta = layer(delta, residual, kv_cache, layer_meta, rotary, self.attention, self.ops, layer_lora)
+        return delta
 
     def step_rotary(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None) -> list[RotaryStep]:
         """Each layer's rotary for this step's tokens (each distinct table looked up once)."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.layers.fused_ops import LayerOps
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.lora import LayerLora
 from pagedllm.layers.moe import grouped_experts, route
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.layers.tensor_parallel import TensorParallel
@@ -68,7 +69,7 @@ class MoeDecoderLayer(DecoderLayer):
             self.experts_gate_up.data = torch.empty(0, dtype=self.experts_gate_up.dtype)
             self.experts_down.data = torch.empty(0, dtype=self.experts_down.dtype)
 
-    def mlp(self, h: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ops: LayerOps, lora: LayerLora | None = None) -> torch.Tensor:
         weights, experts = route(torch.nn.functional.linear(h, self.router), self.top_k, self.normalize)
         linears = self.linears
 
@@ -80,6 +81,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 class Qwen3MoeModel(LlamaModel):
     layer_math = None  # experts: the layer loop runs every step
+    supports_lora = False  # an adapter's MLP update would need one per expert
 
     def layer_class_for(self, index: int) -> type[DecoderLayer]:
         return MoeDecoderLayer if self.config.layer_moe[index] else DecoderLayer

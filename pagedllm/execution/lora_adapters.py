@@ -1,0 +1,75 @@
+"""The LoRA adapters an engine has loaded, by name, and each step's rows by adapter.
+
+Every load gets a key of its own (`NAME#N`), which requests carry: an adapter unloaded and loaded
+again under the same name from another file is another key, so the prefix cache (salted by the
+key) never hands one adapter's KV blocks to the other."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pagedllm.core.step_message import Chunk
+from pagedllm.layers.lora import LoraStep, LoraWeights
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
+
+ADAPTER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
+
+
+class LoraAdapters:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_loras: int, max_rank: int
+    ) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.by_name: dict[str, LoraWeights] = {}
+        self.paths: dict[str, Path] = {}
+        self.by_key: dict[str, LoraWeights] = {}
+        self._serial = itertools.count(1)
+
+    def load(self, name: str, path: str | Path) -> str:
+        """Read, check and keep the PEFT adapter at `path` as `name`; its key."""
+        if not name or len(name) > 128 or not set(name) <= ADAPTER_NAME_CHARS:
+            raise ValueError(f"adapter name {name!r:.140} must be 1-128 letters, digits or - _ . : /")
+        if name in self.by_name:
+            raise ValueError(f"an adapter named {name!r} is loaded already (unload it first)")
+        if len(self.by_name) >= self.max_loras:
+            raise ValueError(f"{len(self.by_name)} adapters are loaded, the most max_loras={self.max_loras} allows")
+        adapter = read_peft_adapter(path, self.config, self.max_rank)
+        outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
+        key = f"{name}#{next(self._serial)}"
+        weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
+        self.by_name[name], self.by_key[key], self.paths[name] = weights, weights, adapter.path
+        return key
+
+    def unload(self, name: str) -> None:
+        weights = self.by_name.pop(name, None)
+        if weights is None:
+            raise KeyError(f"no adapter named {name!r} is loaded")
+        del self.by_key[weights.key], self.paths[name]
+
+    def key_of(self, name: str) -> str:
+        weights = self.by_name.get(name)
+        if weights is None:
+            known = ", ".join(sorted(self.by_name)) or "none is loaded"
+            raise KeyError(f"no LoRA adapter named {name!r:.140} (loaded: {known})")
+        return weights.key
+
+    def describe(self) -> list[dict]:
+        """Each loaded adapter: its name, where it came from, its bytes."""
+        return [
+            {"name": name, "path": str(self.paths[name]), "bytes": w.nbytes} for name, w in sorted(self.by_name.items())
+        ]
+
+    def for_step(self, chunks: Sequence[Chunk]) -> LoraStep | None:
+        """Each of the step's token rows with its chunk's adapter; None where no chunk has one."""
+        if not any(c.adapter for c in chunks):
+            return None
+        rows: list[LoraWeights | None] = []
+        for c in chunks:
+            rows += [self.by_key[c.adapter] if c.adapter else None] * c.num_new_tokens
+        return LoraStep.for_rows(rows, self.device)

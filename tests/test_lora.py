@@ -1,0 +1,247 @@
+"""LoRA adapters: PEFT directories made by PEFT itself on a tiny random llama give
+transformers+PEFT's greedy tokens and logits, alone and mixed in one batch with each other and the
+base model, through chunked prefill and prefix-cache hits; KV blocks never cross adapters; bad
+adapter files are refused by name; nothing is left held."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.errors import ModelFileError
+from pagedllm.testing.hf_reference import hf_greedy, save_random_llama
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
+    "attn": (4, 8, ["q_proj", "v_proj"], False),
+    "mlp": (8, 16, ["gate_proj", "up_proj", "down_proj"], False),
+    "all": (16, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+    "kv-o": (2, 4, ["k_proj", "o_proj"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The base checkpoint, and per adapter its PEFT directory and transformers+PEFT model."""
+    root = tmp_path_factory.mktemp("lora")
+    base = save_random_llama(
+        root / "base",
+        hidden_size=64,  # head_dim 16: the pure-torch attention, which matches transformers to 1e-5
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # clear argmax gaps (see test_parity_tiny)
+    )
+    adapters = {}
+    for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
+        )
+        model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+        with torch.no_grad():  # PEFT's random init leaves B small; make the update change the tokens
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0, 0.3)
+        model.save_pretrained(root / name)
+        adapters[name] = (root / name, model)
+    return root / "base", base, adapters
+
+
+def prompts(count: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40, 64, 23, 9)[:count]]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def make_llm(path, adapters, **kwargs) -> LLM:
+    modules = [f"{name}={adapter_path}" for name, (adapter_path, _) in adapters.items()]
+    args = dict(dtype="float32", block_size=8, kv_cache_memory="16MiB", lora_modules=modules) | kwargs
+    return LLM(str(path), **args)
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    assert llm.engine.num_kv_blocks_used == 0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_each_adapter_alone_matches_transformers_with_peft(tiny):
+    path, base, adapters = tiny
+    llm = make_llm(path, adapters)
+    for name, (_, reference) in adapters.items():
+        for prompt in prompts(3):
+            output = llm.generate([prompt], greedy(12), lora=name)[0]
+            assert output.token_ids == hf_greedy(reference, prompt, 12), name
+    # The adapters do change the output: the base model's tokens differ from at least one adapter's.
+    prompt = prompts(1)[0]
+    assert llm.generate([prompt], greedy(12))[0].token_ids == hf_greedy(base, prompt, 12)
+    assert any(hf_greedy(ref, prompt, 12) != hf_greedy(base, prompt, 12) for _, ref in adapters.values())
+    assert_nothing_held(llm)
+
+
+def test_logits_match_transformers_with_peft(tiny):
+    path, _, adapters = tiny
+    llm = make_llm(path, adapters)
+    prompt = prompts(4)[3]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    for name, (_, reference) in adapters.items():
+        output = llm.generate([prompt], params, lora=name)[0].outputs[0]
+        ids = prompt + output.token_ids
+        expected = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), -1)
+        for i, entry in enumerate(output.logprobs):
+            row = expected[len(prompt) - 1 + i]
+            top = [token for token, _ in entry.top]
+            assert top == row.topk(5).indices.tolist(), (name, i)
+            ours = torch.tensor([logprob for _, logprob in entry.top])
+            torch.testing.assert_close(ours, row.topk(5).values, atol=1e-4, rtol=1e-4)
+
+
+def test_four_adapters_and_the_base_in_one_batch_with_chunked_prefill(tiny):
+    path, base, adapters = tiny
+    # A 24-token step budget cuts the longer prompts into chunks that share steps with the others.
+    llm = make_llm(path, adapters, max_num_batched_tokens=24)
+    names = [*adapters, None, "attn"]
+    batch = prompts(6, seed=7)
+    outputs = llm.generate(batch, greedy(10), lora=names)
+    for prompt, name, output in zip(batch, names, outputs):
+        reference = base if name is None else adapters[name][1]
+        assert output.token_ids == hf_greedy(reference, prompt, 10), name
+    assert_nothing_held(llm)
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(tiny):
+    path, base, adapters = tiny
+    llm = make_llm(path, adapters)
+    prompt = prompts(4)[3]  # 64 tokens: 8 full blocks
+    llm.generate([prompt], greedy(4), lora="attn")
+    hits = llm.engine.state()["prefix_cache_hit_tokens"]
+    # The same prompt under another adapter, and under none: no hit, and each adapter's own tokens.
+    assert llm.generate([prompt], greedy(8), lora="mlp")[0].token_ids == hf_greedy(adapters["mlp"][1], prompt, 8)
+    assert llm.generate([prompt], greedy(8))[0].token_ids == hf_greedy(base, prompt, 8)
+    assert llm.engine.state()["prefix_cache_hit_tokens"] == hits
+    # Under the first adapter again: its blocks are found, and the tokens are still its own.
+    assert llm.generate([prompt], greedy(8), lora="attn")[0].token_ids == hf_greedy(adapters["attn"][1], prompt, 8)
+    assert llm.engine.state()["prefix_cache_hit_tokens"] > hits
+    assert_nothing_held(llm)
+
+
+def test_samples_and_beams_keep_their_adapter(tiny):
+    path, _, adapters = tiny
+    llm = make_llm(path, adapters)
+    prompt = prompts(2)[1]
+    reference = hf_greedy(adapters["all"][1], prompt, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3)
+    output = llm.generate([prompt], params, lora="all")[0]
+    assert [o.token_ids for o in output.outputs] == [reference] * 3
+    beams = LLM.beam_search(llm, [prompt], beam_width=2, max_tokens=4)
+    assert beams[0].outputs  # the base model's beams still run beside the adapters
+    assert_nothing_held(llm)
+
+
+def test_unknown_adapter_and_unload_in_use_are_clear_errors(tiny):
+    path, _, adapters = tiny
+    llm = make_llm(path, adapters)
+    with pytest.raises(KeyError, match="no LoRA adapter named 'nope'"):
+        llm.engine.add_request([5, 6, 7], greedy(2), lora="nope")
+    request_id = llm.engine.add_request([5, 6, 7], greedy(4), lora="mlp")
+    with pytest.raises(ValueError, match="in use by 1 unfinished"):
+        llm.engine.unload_lora("mlp")
+    llm.engine.abort_request(request_id)
+    llm.engine.unload_lora("mlp")
+    assert "mlp" not in {a["name"] for a in llm.engine.lora_adapters()}
+    # Loaded again under the same name: a new key, so its cached blocks are its own.
+    llm.engine.load_lora("mlp", str(adapters["mlp"][0]))
+    assert_nothing_held(llm)
+
+
+def test_max_loras_and_rank_limit(tiny):
+    path, _, adapters = tiny
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_loras=1, max_lora_rank=8)
+    llm.engine.load_lora("attn", str(adapters["attn"][0]))
+    with pytest.raises(ValueError, match="max_loras=1"):
+        llm.engine.load_lora("mlp", str(adapters["mlp"][0]))
+    llm.engine.unload_lora("attn")
+    with pytest.raises(ModelFileError, match="rank 16 is over the engine's max_lora_rank of 8"):
+        llm.engine.load_lora("all", str(adapters["all"][0]))
+
+
+def rewrite_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    settings = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(settings | changes))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_dora": True}, "DoRA adapters are not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "trained biases are not supported"),
+        ({"peft_type": "IA3"}, "'IA3' adapters are not supported"),
+        ({"r": 0}, "not a positive integer rank"),
+        ({"r": 5}, "rank 5 on this model needs"),
+        ({"lora_alpha": "big"}, "not a finite number"),
+    ],
+)
+def test_bad_adapter_configs_are_refused_by_name(tiny, tmp_path, changes, message):
+    path, _, adapters = tiny
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    bad = rewrite_config(adapters["attn"][0], tmp_path / "bad", **changes)
+    with pytest.raises(ModelFileError, match=message):
+        llm.engine.load_lora("bad", str(bad))
+    assert llm.engine.lora_adapters() == []
+
+
+def test_bad_adapter_tensors_are_refused_by_name(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _, adapters = tiny
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    source = adapters["attn"][0]
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    cases = {
+        "nan": ({**tensors, first: torch.full_like(tensors[first], float("nan"))}, "NaN or infinity"),
+        "head": ({**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, "LM head adapter"),
+        "layer": (
+            {**tensors, "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)},
+            "names layer 9; the model has 3",
+        ),
+        "half": ({k: v for k, v in tensors.items() if k != first}, "has no lora_"),
+    }
+    for case, (content, message) in cases.items():
+        bad = rewrite_config(source, tmp_path / case)
+        save_file(content, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(ModelFileError, match=message):
+            llm.engine.load_lora(case, str(bad))
+    with pytest.raises(ModelFileError, match="no adapter_config.json"):
+        llm.engine.load_lora("empty", str(tmp_path))
+
+
+def test_combinations_without_adapter_support_are_refused(tiny):
+    path, _, adapters = tiny
+    modules = [f"attn={adapters['attn'][0]}"]
+    with pytest.raises(ValueError, match="speculative='off'"):
+        LLM(str(path), dtype="float32", lora_modules=modules, speculative="ngram")
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        LLM(str(path), dtype="float32", lora_modules=modules, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        LLM(str(path), dtype="float32", lora_modules=["just-a-path"])
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", speculative="ngram")
+    with pytest.raises(ValueError, match="speculative decoding does not verify drafts under adapters"):
+        llm.engine.load_lora("attn", str(adapters["attn"][0]))
