@@ -245,3 +245,42 @@ def test_combinations_without_adapter_support_are_refused(tiny):
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", speculative="ngram")
     with pytest.raises(ValueError, match="speculative decoding does not verify drafts under adapters"):
         llm.engine.load_lora("attn", str(adapters["attn"][0]))
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapter(hf_model, tmp_path_factory):
+    """A random rank-16 PEFT adapter on the real SmolLM2 (every projection), and transformers+PEFT
+    running it on the GGUF's weights."""
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(ADAPTERS["all"][2]), init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    path = tmp_path_factory.mktemp("smollm2-lora")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "native"])
+def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_adapter, hf_model, weights):
+    from pagedllm.testing.hf_reference import first_divergence_is_a_near_tie
+
+    path, reference = smollm2_adapter
+    llm = LLM(dtype="float32", weights=weights, kv_cache_memory="256MiB", lora_modules=[f"tuned={path}"])
+    chat = llm.tokenizer.apply_chat_template
+    batch = [chat([{"role": "user", "content": q}]) for q in ("What is a hash table?", "Name three rivers.")]
+    # Each prompt under the adapter and under the base model, all four in one batch.
+    outputs = llm.generate(batch * 2, greedy(16), lora=["tuned", "tuned", None, None])
+    tuned = [hf_greedy(reference, prompt, 16) for prompt in batch]
+    assert tuned != [hf_greedy(hf_model, prompt, 16) for prompt in batch]  # the adapter changes the reply
+    for prompt, output, expected, model in zip(
+        batch * 2, outputs, tuned + [None, None], [reference] * 2 + [hf_model] * 2
+    ):
+        expected = expected or hf_greedy(model, prompt, 16)
+        if weights == "dequantized":  # the same float32 weights: the same tokens
+            assert output.token_ids == expected
+        else:  # 4-bit blocks times int8-rounded activations: the base rows too first part at gaps near 0.7
+            assert first_divergence_is_a_near_tie(model, prompt, output.token_ids, expected, 1.0) is None
+    assert_nothing_held(llm)
