@@ -136,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         model_aliases=model_aliases(config.model, args.served_model_name),
         allow_unknown_fields=args.allow_unknown_fields,
+        runtime_lora=args.allow_runtime_lora,
     )
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a moment
     engine = AsyncLLMEngine(LLMEngine(config), args.max_waiting)
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-unknown-fields",
         action="store_true",
         help="ignore body fields this server does not know (default: a 400 naming the field, as OpenAI answers)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="offer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key): clients name "
+        "adapter directories on this machine",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from pagedllm.core.outputs import CompletionOutput, RequestOutput
-from pagedllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, NewRequest
 
 
 class StandInEngine:
@@ -27,7 +27,7 @@ class StandInEngine:
         self.step_gate.set()
         self.held = threading.Event()  # set once a step is waiting at the cleared gate
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, lora=None):
         self.open[request_id] = []
 
     def abort_request(self, request_id):
@@ -68,7 +68,7 @@ def test_a_slow_reader_gets_coalesced_outputs_with_every_delta():
     async_engine.start()
 
     async def main():
-        stream = await async_engine.add_requests([([1], None, "r")])
+        stream = await async_engine.add_requests([NewRequest([1], None, "r")])
         outputs = []
         async for output in stream:
             outputs.append(output)
@@ -93,7 +93,7 @@ def test_an_observer_that_raises_is_dropped_and_the_engine_goes_on(caplog):
     async_engine.start()
 
     async def main():
-        stream = await async_engine.add_requests([([1], None, "r")])
+        stream = await async_engine.add_requests([NewRequest([1], None, "r")])
         return [o async for o in stream]
 
     try:
@@ -111,7 +111,7 @@ def test_commands_queued_as_the_engine_dies_are_answered_not_left_waiting():
     async_engine.start()
 
     async def main():
-        stream = await async_engine.add_requests([([1], None, "r")])
+        stream = await async_engine.add_requests([NewRequest([1], None, "r")])
         engine.step_gate.clear()  # hold the engine inside a step ...
         await asyncio.to_thread(engine.held.wait, 5)
         engine.fail_at = engine.steps + 1

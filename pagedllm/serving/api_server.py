@@ -78,6 +78,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer: Tokenizer, settings: ServerSett
         ("GET", "/dashboard", handlers.dashboard),
         ("GET", "/dashboard/state", handlers.dashboard_state),
     ]
+    if settings.runtime_lora:
+        routes.append(("POST", "/v1/load_lora_adapter", handlers.load_lora_adapter))
+        routes.append(("POST", "/v1/unload_lora_adapter", handlers.unload_lora_adapter))
     if settings.kv_events:  # the engine records them when made with record_kv_events
         routes.append(("GET", "/kv_events", handlers.kv_events))
     for method, path, handler in routes:

@@ -63,6 +63,17 @@ class RequestFailedError(RuntimeError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """A request for the engine: prompt (text or token ids), sampling settings, its id, and the
+    LoRA adapter it runs under (None: the base model)."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    lora: str | None = None
+
+
 @dataclass
 class _Command:
     run: Callable[[LLMEngine], Any]
@@ -275,13 +286,14 @@ class AsyncLLMEngine:
         self._submit(_Command(fn, lambda result, error: loop.call_soon_threadsafe(settle, result, error)))
         return await future
 
-    async def add_requests(self, requests: list[tuple[str | list[int], SamplingParams, str]]) -> RequestStream:
-        """Add (prompt, params, request id) requests, all or none, and return one stream of their outputs.
+    async def add_requests(self, requests: list[NewRequest]) -> RequestStream:
+        """Add requests, all or none, and return one stream of their outputs.
 
-        Bad input raises (ValueError, QueueFullError) and leaves nothing queued.
+        Bad input raises (ValueError, KeyError for an unknown adapter, QueueFullError) and leaves
+        nothing queued.
         """
         stream = _Stream(asyncio.get_running_loop())
-        ids = [request_id for _, _, request_id in requests]
+        ids = [r.request_id for r in requests]
 
         def add(engine: LLMEngine) -> None:
             if self._draining:
@@ -294,9 +306,9 @@ class AsyncLLMEngine:
                 )
             added = []
             try:
-                for prompt, params, request_id in requests:
-                    engine.add_request(prompt, params, request_id)
-                    added.append(request_id)
+                for r in requests:
+                    engine.add_request(r.prompt, r.params, r.request_id, r.lora)
+                    added.append(r.request_id)
             except Exception:
                 for request_id in added:
                     engine.abort_request(request_id)
@@ -317,7 +329,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """One request's outputs as steps produce them, the last one finished; leaving early aborts it."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        stream = await self.add_requests([(prompt, params, request_id)])
+        stream = await self.add_requests([NewRequest(prompt, params, request_id)])
         try:
             async for output in stream:
                 yield output

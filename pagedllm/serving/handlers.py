@@ -22,6 +22,7 @@ from pagedllm.core.request import PromptLengthError, check_prompt_length
 from pagedllm.serving.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
+    NewRequest,
     QueueFullError,
     RequestFailedError,
     RequestStream,
@@ -45,7 +46,7 @@ from pagedllm.serving.streaming import EngineStreamResponse, collect_all, reques
 from pagedllm.text.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.25
-Prepared = tuple[list[tuple[list[int], Any, str]], ChoiceTracker, Any]  # engine requests, tracker, body
+Prepared = tuple[list[NewRequest], ChoiceTracker, Any]  # engine requests, tracker, body
 
 
 def check_api_key(authorization: str, api_key: str | None) -> None:
@@ -92,13 +93,23 @@ class Handlers:
         check_api_key(request.headers.get("authorization", ""), self.api_key)
 
     def check_model(self, model: str | None) -> None:
+        """For the routes that only tokenize: the base model's names."""
         if model is not None and model not in self.model_names:
-            raise APIError(
-                404,
-                f"the model '{model}' does not exist; this server serves '{self.served_model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+            raise self.no_such_model(model)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a generation request names as its `model` (None: the base model); the
+        engine refuses a name no adapter has (see `start`)."""
+        return None if model is None or model in self.model_names else model
+
+    def no_such_model(self, model: str) -> APIError:
+        return APIError(
+            404,
+            f"the model '{model:.200}' does not exist; this server serves '{self.served_model_name}' "
+            "and the LoRA adapters /v1/models lists",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> None:
         try:
@@ -121,9 +132,11 @@ class Handlers:
         stream = await self.start(requests)
         return await self.respond(request, stream, tracker, body)
 
-    async def start(self, requests: list[tuple[list[int], Any, str]]) -> RequestStream:
+    async def start(self, requests: list[NewRequest]) -> RequestStream:
         try:
             return await self.engine.add_requests(requests)
+        except KeyError:  # an adapter name the engine does not have
+            raise self.no_such_model(requests[0].lora or "") from None
         except QueueFullError as error:
             raise APIError(429, str(error), "rate_limit_error", code="queue_full") from None
         except EngineDeadError as error:
@@ -153,7 +166,7 @@ class Handlers:
 
     def prepare_completion(self, raw: bytes) -> Prepared:
         body = parse_body(CompletionRequest, parse_json(raw), self.allow_unknown_fields)
-        self.check_model(body.model)
+        lora = self.adapter_of(body.model)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = body.prompts()
         prompt_ids = [p if isinstance(p, list) else self.prep.encode(p) for p in prompts]
@@ -178,11 +191,11 @@ class Handlers:
             echo=echo,
             id=tracker_id,
         )
-        return [(ids, params, rid) for ids, rid in zip(prompt_ids, request_ids)], tracker, body
+        return [NewRequest(ids, params, rid, lora) for ids, rid in zip(prompt_ids, request_ids)], tracker, body
 
     def prepare_chat(self, raw: bytes) -> Prepared:
         body = parse_body(ChatCompletionRequest, parse_json(raw), self.allow_unknown_fields)
-        self.check_model(body.model)
+        lora = self.adapter_of(body.model)
         in_template = self.prep.template_takes_tools
         mode = body.tool_mode(in_template)
         tools = mode.openai_tools() if mode is not None and in_template else None
@@ -197,7 +210,7 @@ class Handlers:
             True, self.served_model_name, body.n, [tracker_id], self.tokenizer.decode, body.logprobs, tools=mode,
             id=tracker_id,
         )  # fmt: skip
-        return [(prompt_ids, params, tracker_id)], tracker, body
+        return [NewRequest(prompt_ids, params, tracker_id, lora)], tracker, body
 
     # --- models and the tokenizer (vLLM's shape) -----------------------------------------
 
@@ -205,7 +218,39 @@ class Handlers:
         self.check_key(request)
         card = {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagedllm"}
         extensions = {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
-        return {"object": "list", "data": [{**card, **extensions}]}
+        adapters = await self.engine.call(lambda engine: engine.lora_adapters())
+        cards = [{**card, "id": a["name"], "parent": self.served_model_name, "root": a["path"]} for a in adapters]
+        return {"object": "list", "data": [{**card, **extensions}, *cards]}
+
+    async def load_lora_adapter(self, request: Request) -> dict:
+        """`{"lora_name": NAME, "lora_path": PATH}`: load a PEFT adapter from the server's disk."""
+        self.check_key(request)
+        body = parse_json(await request.body())
+        name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise bad_request("send lora_name and lora_path, both strings", "lora_name")
+        if name in self.model_names:
+            raise bad_request(f"'{name:.200}' is the base model's name", "lora_name")
+        try:
+            await self.engine.call(lambda engine: engine.load_lora(name, path))
+        except (ValueError, KeyError) as error:  # a bad file (ModelFileError), a taken name, max_loras
+            raise bad_request(str(error), "lora_path") from None
+        return {"status": "loaded", "lora_name": name}
+
+    async def unload_lora_adapter(self, request: Request) -> dict:
+        """`{"lora_name": NAME}`: forget an adapter no unfinished request uses."""
+        self.check_key(request)
+        body = parse_json(await request.body())
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("send lora_name, a string", "lora_name")
+        try:
+            await self.engine.call(lambda engine: engine.unload_lora(name))
+        except KeyError:
+            raise self.no_such_model(name) from None
+        except ValueError as error:  # in use
+            raise APIError(409, str(error), "invalid_request_error", param="lora_name", code="adapter_in_use") from None
+        return {"status": "unloaded", "lora_name": name}
 
     async def tokenize(self, request: Request) -> dict:
         self.check_key(request)

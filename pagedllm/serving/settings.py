@@ -16,5 +16,8 @@ class ServerSettings:
     # Other names requests may give as `model` for the same model (a bundled model's CLI name, e.g.
     # gemma3-270m beside gemma-3-270m); responses always carry served_model_name.
     model_aliases: tuple[str, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): a client names a
+    # directory on the server's disk, so they are off unless the operator turns them on.
+    runtime_lora: bool = False
     # Ignore body fields no body of this API declares (default: a 400 naming the field).
     allow_unknown_fields: bool = False
