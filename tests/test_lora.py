@@ -284,3 +284,36 @@ def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_ada
         else:  # 4-bit blocks times int8-rounded activations: the base rows too first part at gaps near 0.7
             assert first_divergence_is_a_near_tie(model, prompt, output.token_ids, expected, 1.0) is None
     assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("fill", [0.0, 2.0])  # 0: always batched where several adapters; 2: never
+def test_batched_and_grouped_updates_equal_each_rows_own(monkeypatch, fill):
+    from pagedllm.layers import lora
+
+    monkeypatch.setattr(lora, "MIN_BATCHED_FILL", fill)
+    gen = torch.Generator().manual_seed(0)
+    outs = {"q_proj": 12, "k_proj": 4, "v_proj": 4, "o_proj": 8, "gate_proj": 6, "up_proj": 6, "down_proj": 8}
+    ins = {"q_proj": 8, "k_proj": 8, "v_proj": 8, "o_proj": 12, "gate_proj": 8, "up_proj": 8, "down_proj": 6}
+
+    def adapter(key: str, rank: int, targets: tuple[str, ...]) -> lora.LoraWeights:
+        layer = {
+            t: (torch.randn(rank, ins[t], generator=gen), torch.randn(outs[t], rank, generator=gen)) for t in targets
+        }
+        return lora.LoraWeights.build(key, [layer], outs, torch.float32)
+
+    adapters = [
+        adapter("a", 2, ("q_proj", "v_proj")),
+        adapter("b", 4, lora.FUSED_PARTS["qkv_proj"]),
+        adapter("c", 3, ("k_proj",)),
+    ]
+    rows = [adapters[0], None, adapters[1], adapters[0], adapters[2], adapters[1], adapters[0], None]
+    step = lora.LoraStep.for_rows(rows, lora.LoraStack.build)
+    assert (step.batched is not None) == (fill == 0.0)
+    x = torch.randn(len(rows), 8, generator=gen)
+    y = step.layer(0).add("qkv_proj", x, torch.zeros(len(rows), 20))
+    for i, weights in enumerate(rows):
+        expected = torch.zeros(20)
+        if weights is not None:
+            a, b = weights.layers[0]["qkv_proj"]
+            expected = b @ (a @ x[i])
+        torch.testing.assert_close(y[i], expected, atol=1e-5, rtol=1e-5)

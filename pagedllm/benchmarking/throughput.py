@@ -40,7 +40,7 @@ def run_on_engine(engine: LLMEngine, requests: list[dict], ignore_eos: bool = Tr
             max_tokens=item["max_tokens"],
             ignore_eos=ignore_eos,
         )
-        engine.add_request(item["prompt_token_ids"], params, request_id=item["id"])
+        engine.add_request(item["prompt_token_ids"], params, request_id=item["id"], lora=item.get("lora"))
     before = engine.begin_run()
     output_tokens = 0
     ttfts = []

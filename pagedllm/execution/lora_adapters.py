@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from pagedllm.core.step_message import Chunk
-from pagedllm.layers.lora import LoraStep, LoraWeights
+from pagedllm.layers.lora import LoraStack, LoraStep, LoraWeights
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
 
+MAX_STACKS = 4  # stacked sets kept: a steady decode batch reuses its one
 ADAPTER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
 
 
@@ -30,6 +31,17 @@ class LoraAdapters:
         self.paths: dict[str, Path] = {}
         self.by_key: dict[str, LoraWeights] = {}
         self._serial = itertools.count(1)
+        self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
+
+    def stack_of(self, adapters: list[LoraWeights]) -> LoraStack:
+        """The adapters stacked for a batched step, kept for the next steps with the same set."""
+        keys = tuple(a.key for a in adapters)
+        stack = self._stacks.get(keys)
+        if stack is None:
+            if len(self._stacks) >= MAX_STACKS:  # the oldest set goes
+                del self._stacks[next(iter(self._stacks))]
+            stack = self._stacks[keys] = LoraStack.build(adapters)
+        return stack
 
     def load(self, name: str, path: str | Path) -> str:
         """Read, check and keep the PEFT adapter at `path` as `name`; its key."""
@@ -51,6 +63,7 @@ class LoraAdapters:
         if weights is None:
             raise KeyError(f"no adapter named {name!r} is loaded")
         del self.by_key[weights.key], self.paths[name]
+        self._stacks = {keys: s for keys, s in self._stacks.items() if weights.key not in keys}
 
     def key_of(self, name: str) -> str:
         weights = self.by_name.get(name)
@@ -72,4 +85,4 @@ class LoraAdapters:
         rows: list[LoraWeights | None] = []
         for c in chunks:
             rows += [self.by_key[c.adapter] if c.adapter else None] * c.num_new_tokens
-        return LoraStep.for_rows(rows, self.device)
+        return LoraStep.for_rows(rows, self.stack_of, self.device)

@@ -9,6 +9,7 @@ adapter does not target leaves its block of B zero."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +69,68 @@ class LoraWeights:
 
 
 @dataclass(frozen=True)
+class LoraStack:
+    """Several adapters stacked for one batched multiply: per layer, per fused projection,
+    A.T as [adapters, in, R] and B.T as [adapters, R, out], R the largest of their ranks there
+    (smaller ranks and projections an adapter leaves alone padded with zeros)."""
+
+    keys: tuple[str, ...]
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+    @classmethod
+    def build(cls, adapters: list[LoraWeights]) -> LoraStack:
+        layers = []
+        for index in range(len(adapters[0].layers)):
+            stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for name in FUSED_PARTS:
+                pairs = [a.layers[index].get(name) for a in adapters]
+                present = [pair for pair in pairs if pair is not None]
+                if not present:
+                    continue
+                a0, b0 = present[0]
+                rank = max(a.shape[0] for a, _ in present)
+                a_t = a0.new_zeros(len(adapters), a0.shape[1], rank)
+                b_t = b0.new_zeros(len(adapters), rank, b0.shape[0])
+                for i, pair in enumerate(pairs):
+                    if pair is not None:
+                        a_t[i, :, : pair[0].shape[0]] = pair[0].T
+                        b_t[i, : pair[1].shape[1]] = pair[1].T
+                stacked[name] = (a_t, b_t)
+            layers.append(stacked)
+        return cls(tuple(a.key for a in adapters), layers)
+
+
+@dataclass(frozen=True)
+class Batched:
+    """A step's adapter rows gathered as [adapters, G] (G: the most rows any adapter has; shorter
+    groups padded by repeating a row of theirs, whose update `mask` zeroes)."""
+
+    gather: torch.Tensor  # [adapters * G] row indices
+    mask: torch.Tensor | None  # [adapters, G, 1]: 1 for a real row, 0 for padding; None: no padding
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class LayerLora:
-    """One layer's share of a step: each adapter in the step with the rows it owns (a slice where
-    they are consecutive, else an index tensor)."""
+    """One layer's share of a step: either every adapter's rows in one batched multiply (`batched`
+    with `stacked`, this layer's LoraStack entry), or adapter by adapter (`groups`: each adapter's
+    rows, a slice where they are consecutive, else an index tensor)."""
 
     groups: list[tuple[slice | torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
+    batched: Batched | None = None
+    stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base projection `name` of `x`) with each adapter's update added to its rows, in place."""
+        if self.batched is not None:
+            pair = self.stacked.get(name)
+            if pair is not None:
+                b = self.batched
+                t = torch.bmm(x.index_select(0, b.gather).view(*b.shape, -1), pair[0])
+                if b.mask is not None:
+                    t.mul_(b.mask)
+                y.index_add_(0, b.gather, torch.bmm(t, pair[1]).flatten(0, 1))
+            return y
         for rows, weights in self.groups:
             pair = weights.get(name)
             if pair is None:
@@ -88,15 +143,27 @@ class LayerLora:
         return y
 
 
+# Batched when the padded [adapters, G] grid is at least this full; below, adapter by adapter.
+MIN_BATCHED_FILL = 0.5
+
+
 @dataclass(frozen=True)
 class LoraStep:
-    """A step's adapters: which rows each owns, per layer."""
+    """A step's adapters: which rows each owns, and how the step multiplies them."""
 
     groups: list[tuple[slice | torch.Tensor, LoraWeights]]
+    batched: Batched | None = None
+    stack: LoraStack | None = None
 
     @classmethod
-    def for_rows(cls, row_adapters: list[LoraWeights | None], device: torch.device | str = "cpu") -> LoraStep | None:
-        """From each row's adapter (None: the base model alone); None where no row has one."""
+    def for_rows(
+        cls,
+        row_adapters: list[LoraWeights | None],
+        stack_of: Callable[[list[LoraWeights]], LoraStack],
+        device: torch.device | str = "cpu",
+    ) -> LoraStep | None:
+        """From each row's adapter (None: the base model alone); None where no row has one.
+        `stack_of` stacks a set of adapters (the caller keeps the stacks it has built)."""
         rows_of: dict[int, list[int]] = {}
         weights_of: dict[int, LoraWeights] = {}
         for row, adapter in enumerate(row_adapters):
@@ -105,6 +172,19 @@ class LoraStep:
                 weights_of[id(adapter)] = adapter
         if not rows_of:
             return None
+        sizes = [len(rows) for rows in rows_of.values()]
+        width = max(sizes)
+        if len(rows_of) > 1 and sum(sizes) >= MIN_BATCHED_FILL * len(sizes) * width:
+            gather = [rows + [rows[0]] * (width - len(rows)) for rows in rows_of.values()]
+            mask = None
+            if min(sizes) < width:
+                mask = torch.tensor([[1.0] * s + [0.0] * (width - s) for s in sizes], device=device)
+            adapters = [weights_of[key] for key in rows_of]
+            stack = stack_of(adapters)
+            mask = None if mask is None else mask.to(stack.layers[0][next(iter(stack.layers[0]))][0].dtype)
+            index = torch.tensor([row for rows in gather for row in rows], dtype=torch.int64, device=device)
+            batched = Batched(index, None if mask is None else mask.unsqueeze(-1), (len(sizes), width))
+            return cls([], batched, stack)
         groups: list[tuple[slice | torch.Tensor, LoraWeights]] = []
         for key, rows in rows_of.items():
             if rows[-1] - rows[0] + 1 == len(rows):
@@ -114,4 +194,6 @@ class LoraStep:
         return cls(groups)
 
     def layer(self, index: int) -> LayerLora:
+        if self.batched is not None:
+            return LayerLora([], self.batched, self.stack.layers[index])
         return LayerLora([(rows, weights.layers[index]) for rows, weights in self.groups])
