@@ -286,11 +286,18 @@ def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_ada
     assert_nothing_held(llm)
 
 
-@pytest.mark.parametrize("fill", [0.0, 2.0])  # 0: always batched where several adapters; 2: never
-def test_batched_and_grouped_updates_equal_each_rows_own(monkeypatch, fill):
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [("batched", torch.float32), ("grouped", torch.float32), ("kernel", torch.float32), ("kernel", torch.bfloat16)],
+)
+def test_every_way_of_adding_updates_gives_each_rows_own(monkeypatch, mode, dtype):
+    """The C++ kernel, torch's batched products and the adapter-by-adapter loop: each row gets its
+    own adapter's B A x, and rows without one nothing."""
     from pagedllm.layers import lora
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
-    monkeypatch.setattr(lora, "MIN_BATCHED_FILL", fill)
+    monkeypatch.setattr(lora, "MIN_BATCHED_FILL", 0.0 if mode == "batched" else 2.0)
+    kernel = load_cpu_kernels() if mode == "kernel" else None
     gen = torch.Generator().manual_seed(0)
     outs = {"q_proj": 12, "k_proj": 4, "v_proj": 4, "o_proj": 8, "gate_proj": 6, "up_proj": 6, "down_proj": 8}
     ins = {"q_proj": 8, "k_proj": 8, "v_proj": 8, "o_proj": 12, "gate_proj": 8, "up_proj": 8, "down_proj": 6}
@@ -299,7 +306,7 @@ def test_batched_and_grouped_updates_equal_each_rows_own(monkeypatch, fill):
         layer = {
             t: (torch.randn(rank, ins[t], generator=gen), torch.randn(outs[t], rank, generator=gen)) for t in targets
         }
-        return lora.LoraWeights.build(key, [layer], outs, torch.float32)
+        return lora.LoraWeights.build(key, [layer], outs, dtype)
 
     adapters = [
         adapter("a", 2, ("q_proj", "v_proj")),
@@ -307,13 +314,16 @@ def test_batched_and_grouped_updates_equal_each_rows_own(monkeypatch, fill):
         adapter("c", 3, ("k_proj",)),
     ]
     rows = [adapters[0], None, adapters[1], adapters[0], adapters[2], adapters[1], adapters[0], None]
-    step = lora.LoraStep.for_rows(rows, lora.LoraStack.build)
-    assert (step.batched is not None) == (fill == 0.0)
-    x = torch.randn(len(rows), 8, generator=gen)
-    y = step.layer(0).add("qkv_proj", x, torch.zeros(len(rows), 20))
+    step = lora.LoraStep.for_rows(rows, lora.LoraStack.build, kernel=kernel)
+    assert (step.batched is not None) == (mode != "grouped")
+    assert (step.batched is not None and step.batched.kernel is not None) == (mode == "kernel")
+    x = torch.randn(len(rows), 8, generator=gen).to(dtype)
+    base = torch.randn(len(rows), 20, generator=gen).to(dtype)
+    y = step.layer(0).add("qkv_proj", x, base.clone())
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for i, weights in enumerate(rows):
-        expected = torch.zeros(20)
+        expected = base[i].float()
         if weights is not None:
-            a, b = weights.layers[0]["qkv_proj"]
-            expected = b @ (a @ x[i])
-        torch.testing.assert_close(y[i], expected, atol=1e-5, rtol=1e-5)
+            a, b = (t.float() for t in weights.layers[0]["qkv_proj"])
+            expected = expected + b @ (a @ x[i].float())
+        torch.testing.assert_close(y[i].float(), expected, atol=tolerance, rtol=tolerance)

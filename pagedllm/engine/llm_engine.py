@@ -94,7 +94,7 @@ class LLMEngine:
         self.kv_cache = make_kv_cache(config, built.num_blocks, self.max_model_len, built.groups.windows)
         self.speculation = self._speculation(config)
         self.adapters = self.runner.adapters = LoraAdapters(
-            model_config, self.dtype, self.device, config.max_loras, config.max_lora_rank
+            model_config, self.dtype, self.device, config.max_loras, config.max_lora_rank, built.model.ops.kernels
         )
         self.lora_refusal = self._lora_refusal(config, built)
         self.scheduler = self._make_scheduler(config, built)

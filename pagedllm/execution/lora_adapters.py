@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.core.step_message import Chunk
-from pagedllm.layers.lora import LoraStack, LoraStep, LoraWeights
+from pagedllm.layers.lora import LoraKernel, LoraStack, LoraStep, LoraWeights
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
 
@@ -23,9 +23,16 @@ ADAPTER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV
 
 class LoraAdapters:
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_loras: int, max_rank: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_loras: int,
+        max_rank: int,
+        kernel: LoraKernel | None = None,
     ) -> None:
-        self.config, self.dtype, self.device = config, dtype, device
+        """`kernel`: the C++ kernels, where the model runs on them."""
+        self.config, self.dtype, self.device, self.kernel = config, dtype, device, kernel
         self.max_loras, self.max_rank = max_loras, max_rank
         self.by_name: dict[str, LoraWeights] = {}
         self.paths: dict[str, Path] = {}
@@ -85,4 +92,4 @@ class LoraAdapters:
         rows: list[LoraWeights | None] = []
         for c in chunks:
             rows += [self.by_key[c.adapter] if c.adapter else None] * c.num_new_tokens
-        return LoraStep.for_rows(rows, self.stack_of, self.device)
+        return LoraStep.for_rows(rows, self.stack_of, self.device, self.kernel)

@@ -48,6 +48,7 @@ _SOURCES = (
     "decode_layers.cpp",
     "quant_gemm.cpp",
     "quant_amx.cpp",
+    "lora.cpp",
 )
 _HEADERS = ("common.h", "avx2.h", "avx512.h", "amx.h", "quant_layout.h", "softmax.h")
 _FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -98,6 +99,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "dequantize_rows": ([_P, _P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P, _P, _I, _I, _P], _BF16),  # a no-op unless `quant_amx`
     "dequantize_blocked": ([_P, _P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
+    "lora_add": ([_P] * 4 + [_I] * 3 + [_P] * 2 + [_I], _F32 + _BF16),
 }
 _SUFFIX = {
     torch.float32: "f32",
@@ -508,6 +510,31 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=x.dtype)
         self._fn("packed_gemm", x.dtype)(_ptr(x), _ptr(packed), _ptr(y), m, n, k)
         return y
+
+    def lora_add(
+        self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor,
+        a_t: torch.Tensor, b_t: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """y[row] += B_a (A_a x[row]) in place for row = order[i], a = adapter_of[i], from
+        adapters stacked as a_t [adapters, in, rank] and b_t [adapters, rank, out] in x's dtype
+        (csrc/lora.cpp)."""
+        _check(x, y, order, adapter_of, a_t, b_t)
+        rows, width = x.shape
+        adapters, rank, out = b_t.shape
+        _require(
+            "lora_add",
+            x.dim() == 2 and y.shape == (rows, out) and y.dtype == x.dtype and a_t.shape == (adapters, width, rank)
+            and a_t.dtype == b_t.dtype == x.dtype,
+            "x [rows, in], y [rows, out], a_t [adapters, in, rank], b_t [adapters, rank, out], all of x's dtype",
+            x=x, y=y, a_t=a_t, b_t=b_t,
+        )  # fmt: skip
+        _index("lora_add", "order", order, None)
+        _index("lora_add", "adapter_of", adapter_of, order.shape[0])
+        check_index_range("lora_add", "order", order, 0, rows)
+        check_index_range("lora_add", "adapter_of", adapter_of, 0, adapters)
+        self._fn("lora_add", x.dtype)(
+            _ptr(x), _ptr(y), _ptr(order), _ptr(adapter_of), order.numel(), width, out, _ptr(a_t), _ptr(b_t), rank
+        )
 
     def decode_layers_workspace(self, shape: ctypes.Structure) -> int:
         """Workspace elements per row that `decode_layers` needs for this model's shape."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -71,7 +72,7 @@ class LoraWeights:
 @dataclass(frozen=True)
 class LoraStack:
     """Several adapters stacked for one batched multiply: per layer, per fused projection,
-    A.T as [adapters, in, R] and B.T as [adapters, R, out], R the largest of their ranks there
+    A.T as [adapters, in, R] and B.T as [adapters, R, out] in their dtype, R the largest of their ranks there
     (smaller ranks and projections an adapter leaves alone padded with zeros)."""
 
     keys: tuple[str, ...]
@@ -100,14 +101,27 @@ class LoraStack:
         return cls(tuple(a.key for a in adapters), layers)
 
 
+class LoraKernel(Protocol):
+    """The C++ kernel (layers/cpu_kernels.py's CpuKernels.lora_add)."""
+
+    def lora_add(
+        self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor,
+        a_t: torch.Tensor, b_t: torch.Tensor,
+    ) -> None: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Batched:
-    """A step's adapter rows gathered as [adapters, G] (G: the most rows any adapter has; shorter
-    groups padded by repeating a row of theirs, whose update `mask` zeroes)."""
+    """A step's adapter rows for one batched multiply of the stacked adapters.  With the C++
+    kernel: `gather` lists the rows sorted by adapter, `adapter_of` each one's place in the stack.
+    In torch: `gather` is [adapters, G] flattened (G: the most rows any adapter has; shorter groups
+    padded by repeating a row of theirs, whose update `mask` zeroes)."""
 
-    gather: torch.Tensor  # [adapters * G] row indices
+    gather: torch.Tensor
     mask: torch.Tensor | None  # [adapters, G, 1]: 1 for a real row, 0 for padding; None: no padding
     shape: tuple[int, int]
+    kernel: LoraKernel | None = None
+    adapter_of: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -124,12 +138,16 @@ class LayerLora:
         """`y` (the base projection `name` of `x`) with each adapter's update added to its rows, in place."""
         if self.batched is not None:
             pair = self.stacked.get(name)
-            if pair is not None:
-                b = self.batched
-                t = torch.bmm(x.index_select(0, b.gather).view(*b.shape, -1), pair[0])
-                if b.mask is not None:
-                    t.mul_(b.mask)
-                y.index_add_(0, b.gather, torch.bmm(t, pair[1]).flatten(0, 1))
+            if pair is None:
+                return y
+            b = self.batched
+            if b.kernel is not None:
+                b.kernel.lora_add(x.contiguous(), y, b.gather, b.adapter_of, *pair)
+                return y
+            t = torch.bmm(x.index_select(0, b.gather).view(*b.shape, -1), pair[0])
+            if b.mask is not None:
+                t.mul_(b.mask)
+            y.index_add_(0, b.gather, torch.bmm(t, pair[1]).flatten(0, 1))
             return y
         for rows, weights in self.groups:
             pair = weights.get(name)
@@ -143,8 +161,11 @@ class LayerLora:
         return y
 
 
-# Batched when the padded [adapters, G] grid is at least this full; below, adapter by adapter.
+# In torch, batched when the padded [adapters, G] grid is at least this full; below, adapter by
+# adapter.  The C++ kernel takes steps of up to KERNEL_MAX_ROWS adapter rows (decode steps); longer
+# ones (prompt chunks) go adapter by adapter to the GEMMs, which are faster on many rows.
 MIN_BATCHED_FILL = 0.5
+KERNEL_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -161,9 +182,11 @@ class LoraStep:
         row_adapters: list[LoraWeights | None],
         stack_of: Callable[[list[LoraWeights]], LoraStack],
         device: torch.device | str = "cpu",
+        kernel: LoraKernel | None = None,
     ) -> LoraStep | None:
         """From each row's adapter (None: the base model alone); None where no row has one.
-        `stack_of` stacks a set of adapters (the caller keeps the stacks it has built)."""
+        `stack_of` stacks a set of adapters (the caller keeps the stacks it has built); `kernel`:
+        the C++ kernel, where the step's tensors are on the CPU."""
         rows_of: dict[int, list[int]] = {}
         weights_of: dict[int, LoraWeights] = {}
         for row, adapter in enumerate(row_adapters):
@@ -174,6 +197,13 @@ class LoraStep:
             return None
         sizes = [len(rows) for rows in rows_of.values()]
         width = max(sizes)
+        if kernel is not None and sum(sizes) <= KERNEL_MAX_ROWS:
+            stack = stack_of([weights_of[key] for key in rows_of])
+            order = [row for rows in rows_of.values() for row in rows]
+            adapter_of = [i for i, rows in enumerate(rows_of.values()) for _ in rows]
+            as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+            batched = Batched(as_tensor(order), None, (len(sizes), width), kernel, as_tensor(adapter_of))
+            return cls([], batched, stack)
         if len(rows_of) > 1 and sum(sizes) >= MIN_BATCHED_FILL * len(sizes) * width:
             gather = [rows + [rows[0]] * (width - len(rows)) for rows in rows_of.values()]
             mask = None
@@ -181,7 +211,6 @@ class LoraStep:
                 mask = torch.tensor([[1.0] * s + [0.0] * (width - s) for s in sizes], device=device)
             adapters = [weights_of[key] for key in rows_of]
             stack = stack_of(adapters)
-            mask = None if mask is None else mask.to(stack.layers[0][next(iter(stack.layers[0]))][0].dtype)
             index = torch.tensor([row for rows in gather for row in rows], dtype=torch.int64, device=device)
             batched = Batched(index, None if mask is None else mask.unsqueeze(-1), (len(sizes), width))
             return cls([], batched, stack)
