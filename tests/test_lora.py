@@ -283,6 +283,20 @@ def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_ada
             assert output.token_ids == expected
         else:  # 4-bit blocks times int8-rounded activations: the base rows too first part at gaps near 0.7
             assert first_divergence_is_a_near_tie(model, prompt, output.token_ids, expected, 1.0) is None
+    # The decode steps ran in the one-call step, adapters included; the layer loop gives the same logprobs.
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    names = ["tuned", None, "tuned", None]
+    fused = llm.generate(batch * 2, params, lora=names)
+    model.fused_decode, kept = None, model.fused_decode
+    try:
+        loop = llm.generate(batch * 2, params, lora=names)
+    finally:
+        model.fused_decode = kept
+    for a, b in zip(fused, loop):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [e.top for e in a.outputs[0].logprobs] == [e.top for e in b.outputs[0].logprobs]
     assert_nothing_held(llm)
 
 

@@ -93,7 +93,7 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "packed_gemm": ([_P] * 3 + [_I] * 3, _F32 + _BF16),
     "argmax_rows": ([_P] * 2 + [_I] * 2, _F32 + _BF16),
     "mask_rows": ([_P] * 3 + [_I] * 3, _F32),
-    "decode_layers": ([_P, _I] + [_P] * 8 + [_I, _I], _F32 + _BF16 + _F16KV + _F8KV),
+    "decode_layers": ([_P, _I] + [_P] * 8 + [_I, _I, _P], _F32 + _BF16 + _F16KV + _F8KV),
     # quantized weights: a pointer to csrc/quant_layout.h's QuantWeight (PackedWeight.struct)
     "quant_gemm": ([_P, _P, _I, _I, _P], _F32 + _BF16),
     "dequantize_rows": ([_P, _P, _I, _P], _F32 + _BF16),
@@ -542,7 +542,7 @@ class CpuKernels:
 
     def decode_layers(
         self, layers, num_layers: int, shape, residual, out, workspace, final_norm, positions, rows, seq_lens,
-        kv_dtype: torch.dtype | None = None, split_requests: int | None = None,
+        kv_dtype: torch.dtype | None = None, split_requests: int | None = None, lora=None,
     ) -> None:  # fmt: skip
         """Every layer of a decode-only step and the final norm (csrc/decode_layers.cpp); `layers`
         and `shape` are its structs (each layer's rotary, cache slots and block tables among them), built by
@@ -569,6 +569,7 @@ class CpuKernels:
             ctypes.addressof(layers), num_layers, ctypes.addressof(shape), _ptr(residual), _ptr(out),
             _ptr(workspace), _ptr(final_norm), _ptr(positions), _ptr(rows), _ptr(seq_lens), rows.shape[0],
             rows.shape[0] if split_requests is None else max(1, int(split_requests)),
+            None if lora is None else ctypes.addressof(lora),
         )  # fmt: skip
 
     def quant_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:

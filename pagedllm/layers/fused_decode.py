@@ -35,6 +35,7 @@ import torch
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels, check_index_range
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.lora import LoraStack, LoraStep
 from pagedllm.layers.quantized import QuantizedLinear, QuantWeightStruct
 
 MAX_PARTS = 4  # csrc/decode_layers.cpp's kMaxParts
@@ -49,6 +50,18 @@ class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
     _fields_ += [(name, ctypes.c_void_p) for name in ("pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "cos", "sin", "slots", "tables")]
     _fields_ += [(name, ctypes.c_int64) for name in ("max_blocks", "window", "rotary_dim")]
+
+
+class _LoraPart(ctypes.Structure):  # csrc/decode_layers.cpp's LoraPart
+    _fields_ = [("a_t", ctypes.c_void_p), ("b_t", ctypes.c_void_p), ("rank", ctypes.c_int64)]
+
+
+class _LoraRows(ctypes.Structure):  # csrc/decode_layers.cpp's LoraRows
+    _fields_ = [(name, ctypes.c_void_p) for name in ("parts", "order", "adapter_of")] + [("count", ctypes.c_int64)]
+
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # LoraPart's order per layer
+MAX_LORA_TABLES = 4  # stacked adapter sets whose tables are kept (as LoraAdapters keeps the stacks)
 
 
 def fusable(linear: Linear | QuantizedLinear) -> bool:
@@ -171,6 +184,10 @@ class FusedDecode:
         self._table = (_Layer * len(layers))()
         # Rows of the rotary tables a position may index (a layer without rotary reads none).
         self._positions = min((layer.cos.shape[0] for layer in layers if layer.rotary_dim), default=2**62)
+        # Per stacked adapter set (keyed by its adapters' keys): its LoraPart table, and the stack it points into.
+        self._lora_tables: dict[tuple[str, ...], tuple[ctypes.Array, LoraStack]] = {}
+        self.hidden, self.q_size = hidden, heads * head_dim
+        self.qkv_size, self.intermediate = layers[0].qkv_proj.out_features, inter
 
     def applies(self, meta: AttentionMetadata | list[AttentionMetadata], num_tokens: int) -> bool:
         """True for a step this path runs exactly as the layer loop would (`meta`: one for every
@@ -211,15 +228,44 @@ class FusedDecode:
         self._shape.block = kv_caches[0].shape[2]
         self._bound = key
 
+    def _lora_rows(self, lora: LoraStep, rows: int) -> _LoraRows:
+        """The step's adapters as decode_layers takes them (a LoraStep of the C++ kernel's kind)."""
+        stack, batched = lora.stack, lora.batched
+        entry = self._lora_tables.get(stack.keys)
+        if entry is None or entry[1] is not stack:
+            hidden, inter = self.hidden, self.intermediate
+            shapes = {"qkv_proj": (hidden, self.qkv_size), "o_proj": (self.q_size, hidden)}
+            shapes |= {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+            parts = (_LoraPart * (4 * len(self.layers)))()
+            for layer_index, stacked in enumerate(stack.layers):
+                for which, name in enumerate(PROJECTIONS):
+                    pair = stacked.get(name)
+                    if pair is None:
+                        continue
+                    a_t, b_t = pair
+                    width, out = shapes[name]
+                    if a_t.dtype != self.dtype or a_t.shape[1] != width or b_t.shape[2] != out:
+                        raise ValueError(f"adapter stack {name} {tuple(a_t.shape)} does not fit this model")
+                    parts[layer_index * 4 + which] = _LoraPart(a_t.data_ptr(), b_t.data_ptr(), a_t.shape[2])
+            if len(self._lora_tables) >= MAX_LORA_TABLES:
+                del self._lora_tables[next(iter(self._lora_tables))]
+            entry = self._lora_tables[stack.keys] = (parts, stack)
+        check_index_range("decode_layers", "adapter rows", batched.gather, 0, rows)
+        check_index_range("decode_layers", "adapters", batched.adapter_of, 0, len(stack.keys))
+        return _LoraRows(
+            ctypes.addressof(entry[0]), batched.gather.data_ptr(), batched.adapter_of.data_ptr(), batched.gather.numel()
+        )
+
     def __call__(
         self,
         residual: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """residual [rows, hidden], the embedded tokens (added to in place) -> the final norm's output,
-        for a step `applies` took."""
+        for a step `applies` took; `lora`: the step's adapters, of the C++ kernel's kind."""
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         self._bind(kv_caches)
         rows, seq_lens, _ = metas[0].decode_tensors()
@@ -246,8 +292,9 @@ class FusedDecode:
         check_index_range("decode_layers", "positions", positions, 0, self._positions)
         out = torch.empty_like(residual)
         workspace = torch.empty(m * self._row, dtype=self.dtype)
+        lora_rows = None if lora is None else self._lora_rows(lora, m)
         self.kernels.decode_layers(
             self._table, len(self.layers), self._shape, residual, out, workspace, self.final_norm,
-            positions, rows, seq_lens, self.kv_dtype, metas[0].decode_split_requests,
+            positions, rows, seq_lens, self.kv_dtype, metas[0].decode_split_requests, lora_rows,
         )  # fmt: skip
         return out

@@ -222,6 +222,11 @@ class LoraStep:
                 groups.append((torch.tensor(rows, dtype=torch.int64, device=device), weights_of[key]))
         return cls(groups)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the one-call decode step can add these updates (the C++ kernel's kind)."""
+        return self.batched is not None and self.batched.kernel is not None
+
     def layer(self, index: int) -> LayerLora:
         if self.batched is not None:
             return LayerLora([], self.batched, self.stack.layers[index])

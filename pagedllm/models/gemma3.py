@@ -124,8 +124,8 @@ class Gemma3Model(LlamaModel):
         lora: LoraStep | None = None,
     ) -> torch.Tensor:
         residual = self.embed(input_ids) * self.embed_scale
-        if lora is None and self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
-            return self.fused_decode(residual, positions, kv_caches, meta)
+        if self.fused_decode_applies(meta, residual.shape[0], lora):
+            return self.fused_decode(residual, positions, kv_caches, meta, lora)
         residual.add_(self.run_layers(residual, positions, kv_caches, meta, rope_lengths, lora))
         return self.ops.gemma_norm(residual, self.norm, self.config.rms_norm_eps)
 

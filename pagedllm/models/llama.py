@@ -50,6 +50,7 @@ class DecodeStep(Protocol):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | list[AttentionMetadata],
+        lora: LoraStep | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -352,10 +353,17 @@ class LlamaModel(nn.Module):
         residual = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             residual = residual * self.config.embedding_multiplier
-        if lora is None and self.fused_decode is not None and self.fused_decode.applies(meta, residual.shape[0]):
-            return self.fused_decode(residual, positions, kv_caches, meta)
+        if self.fused_decode_applies(meta, residual.shape[0], lora):
+            return self.fused_decode(residual, positions, kv_caches, meta, lora)
         delta = self.run_layers(residual, positions, kv_caches, meta, rope_lengths, lora)
         return self.ops.add_rms_norm(delta, residual, self.norm, self.config.rms_norm_eps)
+
+    def fused_decode_applies(
+        self, meta: AttentionMetadata | list[AttentionMetadata], rows: int, lora: LoraStep | None
+    ) -> bool:
+        """Whether the one-call decode step takes this step (adapters only where it adds their updates)."""
+        fused = self.fused_decode
+        return fused is not None and (lora is None or lora.fused) and fused.applies(meta, rows)
 
     def run_layers(
         self,

@@ -59,6 +59,22 @@ struct DecodeLayer {
   int64_t rotary_dim;  // dims of each head that rotate, the rest passing through (0: no rotary)
 };
 
+// A step's LoRA adapters (pagedllm/layers/lora.py's LoraStack): per layer, per projection (qkv, o,
+// gate_up, down) the stacked A.T [adapters][in][rank] and B.T [adapters][rank][out] in the dtype
+// (a_t null: no adapter of the step touches it), and the rows under an adapter, sorted by adapter,
+// with each one's place in the stack.  Each projection's update is csrc/lora.cpp's lora_add.
+struct LoraPart {
+  const void* a_t;
+  const void* b_t;
+  int64_t rank;
+};
+struct LoraRows {
+  const LoraPart* parts;  // [layers][4]
+  const int64_t* order;
+  const int64_t* adapter_of;
+  int64_t count;
+};
+
 struct DecodeShape {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
   float eps, scale;
@@ -83,6 +99,8 @@ struct DecodeShape {
   void paged_decode_attention_##SUFFIX(const T*, const T*, const T*, T*, const int64_t*, const int64_t*,           \
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
                                        int64_t, int64_t);                                                          \
+  void lora_add_##SUFFIX(const T*, T*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, const T*,       \
+                         const T*, int64_t);                                                                       \
   }                                                                                                                \
   struct Kernels_##SUFFIX {                                                                                        \
     using KV = T; /* the KV cache's element */                                                                     \
@@ -95,6 +113,7 @@ struct DecodeShape {
     static constexpr auto quant_gemm = quant_gemm_##SUFFIX;                                                        \
     static constexpr auto quant_tile_gemm = TILE;                                                                  \
     static constexpr auto decode_attention = paged_decode_attention_##SUFFIX;                                      \
+    static constexpr auto lora_add = lora_add_##SUFFIX;                                                            \
   };
 
 // The AMX tile kernel on quantized weights (csrc/quant_amx.cpp), bfloat16 only; a float32
@@ -160,6 +179,17 @@ void project(const Projection* p, const T* x, T* y, int64_t m, int64_t n, int64_
   }
 }
 
+// Projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`: the step's adapters'
+// updates added to y [m, n] from x [m, k], for the rows that have one.
+template <typename T, typename K>
+void add_lora(const LoraRows* lora, int64_t layer, int which, const T* x, T* y, int64_t k, int64_t n) {
+  if (lora == nullptr || lora->count == 0) return;
+  const LoraPart& part = lora->parts[layer * 4 + which];
+  if (part.a_t == nullptr) return;
+  K::lora_add(x, y, lora->order, lora->adapter_of, lora->count, k, n, static_cast<const T*>(part.a_t),
+              static_cast<const T*>(part.b_t), part.rank);
+}
+
 // residual += delta, element by element in float and rounded once, as torch's add_ does.
 template <typename T>
 void add_into(T* residual, const T* delta, int64_t n) {
@@ -206,40 +236,51 @@ void attend(const DecodeLayer& layer, const DecodeShape& s, const Buffers<T>& b,
 // One llama layer: delta (the previous layer's output; none for the first) added to the
 // residual, and this layer's output left in b.delta.
 template <typename T, typename K>
-void llama_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
-                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m, bool tile) {
+void llama_layer(const DecodeLayer& layer, int64_t l, const LoraRows* lora, const DecodeShape& s, T* residual,
+                 const Buffers<T>& b, const int64_t* positions, const int64_t* rows, const int64_t* seq_lens,
+                 int64_t m, bool tile) {
   const int64_t q_size = s.heads * s.head_dim, qkv_size = q_size + 2 * s.kv_heads * s.head_dim;
-  K::add_rms_norm(first ? nullptr : b.delta, residual, static_cast<const T*>(layer.input_norm), b.h, m, s.hidden,
+  K::add_rms_norm(l == 0 ? nullptr : b.delta, residual, static_cast<const T*>(layer.input_norm), b.h, m, s.hidden,
                   s.eps);
   project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, s.hidden, tile);
+  add_lora<T, K>(lora, l, 0, b.h, b.qkv, s.hidden, qkv_size);
   attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
   project<T, K>(layer.o_proj, b.attn, b.delta, m, s.hidden, q_size, tile);
+  add_lora<T, K>(lora, l, 1, b.attn, b.delta, q_size, s.hidden);
   K::add_rms_norm(b.delta, residual, static_cast<const T*>(layer.post_norm), b.h, m, s.hidden, s.eps);
   project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, s.hidden, tile);
+  add_lora<T, K>(lora, l, 2, b.h, b.gate_up, s.hidden, 2 * s.intermediate);
   K::silu_mul(b.gate_up, b.act, m, s.intermediate);
   project<T, K>(layer.down_proj, b.act, b.delta, m, s.hidden, s.intermediate, tile);
+  add_lora<T, K>(lora, l, 3, b.act, b.delta, s.intermediate, s.hidden);
 }
 
 // One Gemma 3 layer (pagedllm/models/gemma3.py): norms before and after attention and the
 // MLP, q and k normed per head before rotary, GeGLU.
 template <typename T, typename K>
-void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* residual, const Buffers<T>& b,
-                 const int64_t* positions, const int64_t* rows, const int64_t* seq_lens, int64_t m, bool tile) {
+void gemma_layer(const DecodeLayer& layer, int64_t l, const LoraRows* lora, const DecodeShape& s, T* residual,
+                 const Buffers<T>& b, const int64_t* positions, const int64_t* rows, const int64_t* seq_lens,
+                 int64_t m, bool tile) {
+  const bool first = l == 0;
   const int64_t q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim, qkv_size = q_size + 2 * kv_size;
   const int64_t hidden = s.hidden;
   if (!first) add_into(residual, b.delta, m * hidden);
   K::gemma_norm(residual, static_cast<const float*>(layer.input_norm), b.h, m, hidden, hidden, hidden, s.eps);
   project<T, K>(layer.qkv_proj, b.h, b.qkv, m, qkv_size, hidden, tile);
+  add_lora<T, K>(lora, l, 0, b.h, b.qkv, hidden, qkv_size);
   K::gemma_norm(b.qkv, layer.q_norm, b.qkv, m, q_size, s.head_dim, qkv_size, s.eps);
   K::gemma_norm(b.qkv + q_size, layer.k_norm, b.qkv + q_size, m, kv_size, s.head_dim, qkv_size, s.eps);
   attend<T, K>(layer, s, b, positions, rows, seq_lens, m);
   project<T, K>(layer.o_proj, b.attn, b.delta, m, hidden, q_size, tile);
+  add_lora<T, K>(lora, l, 1, b.attn, b.delta, q_size, hidden);
   K::gemma_norm(b.delta, static_cast<const float*>(layer.post_norm), b.delta, m, hidden, hidden, hidden, s.eps);
   add_into(residual, b.delta, m * hidden);
   K::gemma_norm(residual, layer.pre_ffn_norm, b.h, m, hidden, hidden, hidden, s.eps);
   project<T, K>(layer.gate_up_proj, b.h, b.gate_up, m, 2 * s.intermediate, hidden, tile);
+  add_lora<T, K>(lora, l, 2, b.h, b.gate_up, hidden, 2 * s.intermediate);
   K::gelu_tanh_mul(b.gate_up, b.act, m, s.intermediate);
   project<T, K>(layer.down_proj, b.act, b.delta, m, hidden, s.intermediate, tile);
+  add_lora<T, K>(lora, l, 3, b.act, b.delta, s.intermediate, hidden);
   K::gemma_norm(b.delta, layer.post_ffn_norm, b.delta, m, hidden, hidden, hidden, s.eps);
 }
 
@@ -248,13 +289,13 @@ void gemma_layer(const DecodeLayer& layer, bool first, const DecodeShape& s, T* 
 template <typename T, typename K>
 void run_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
                 T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
-                const int64_t* seq_lens, int64_t m, bool tile, int64_t split_requests) {
+                const int64_t* seq_lens, int64_t m, bool tile, int64_t split_requests, const LoraRows* lora) {
   const Buffers<T> b(workspace, s, m, split_requests);
   for (int64_t l = 0; l < num_layers; ++l) {
     if (s.gemma) {
-      gemma_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m, tile);
+      gemma_layer<T, K>(layers[l], l, lora, s, residual, b, positions, rows, seq_lens, m, tile);
     } else {
-      llama_layer<T, K>(layers[l], l == 0, s, residual, b, positions, rows, seq_lens, m, tile);
+      llama_layer<T, K>(layers[l], l, lora, s, residual, b, positions, rows, seq_lens, m, tile);
     }
   }
   if (s.gemma) {
@@ -277,7 +318,7 @@ constexpr int64_t kMinRowsPerThread = 16;
 template <typename T, typename K>
 void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& s, T* residual, T* out,
                    T* workspace, const void* final_norm, const int64_t* positions, const int64_t* rows,
-                   const int64_t* seq_lens, int64_t m, int64_t split_requests) {
+                   const int64_t* seq_lens, int64_t m, int64_t split_requests, const LoraRows* lora) {
   const int threads = omp_get_max_threads();
   const bool tile = s.quant_int_max_rows > 0 && m > s.quant_int_max_rows;
   // Nested regions must run on one thread each (OpenMP's default), or the kernels' own regions
@@ -286,7 +327,7 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
                      omp_get_max_active_levels() <= 1;
   if (!split)
     return run_layers<T, K>(layers, num_layers, s, residual, out, workspace, final_norm, positions, rows, seq_lens,
-                            m, tile, split_requests);
+                            m, tile, split_requests, lora);
   // Rows cut into one contiguous range a thread, balanced by cost: a row's projections, counted
   // as the context tokens whose attention reads as long (at ~16 FLOP a byte, about this CPU's
   // peak over its memory bandwidth), plus its request's context.
@@ -334,9 +375,21 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
         }
         layer.tables = found->second.data();
       }
+      // This thread's adapter rows, counted from row a (still sorted by adapter).
+      std::vector<int64_t> my_order, my_adapters;
+      LoraRows my_lora{};
+      if (lora != nullptr) {
+        for (int64_t i = 0; i < lora->count; ++i) {
+          if (lora->order[i] >= a && lora->order[i] < a + n) {
+            my_order.push_back(lora->order[i] - a);
+            my_adapters.push_back(lora->adapter_of[i]);
+          }
+        }
+        my_lora = LoraRows{lora->parts, my_order.data(), my_adapters.data(), static_cast<int64_t>(my_order.size())};
+      }
       run_layers<T, K>(my_layers.data(), num_layers, s, residual + a * s.hidden, out + a * s.hidden,
                        workspace + a * row_size, final_norm, positions + a, my_rows.data(), my_lens.data(), n,
-                       tile, split_requests);
+                       tile, split_requests, lora != nullptr ? &my_lora : nullptr);
     }
   }
 }
@@ -351,13 +404,14 @@ PAGEDLLM_API int64_t decode_layers_workspace(const DecodeShape* shape) { return 
 // out [m, hidden], the final norm's output (its weight of the dtype, or float32 1 + w for
 // Gemma 3).  positions: per row; rows, seq_lens: per request, as paged_decode_attention takes
 // them (here one row per request); each layer's slots and block tables are in its DecodeLayer.
+// lora: the step's adapters (null: none).
 #define PAGEDLLM_DECODE_LAYERS(SUFFIX, T)                                                                         \
   PAGEDLLM_API void decode_layers_##SUFFIX(const DecodeLayer* layers, int64_t num_layers, const DecodeShape* shape, \
                                            T* residual, T* out, T* workspace, const void* final_norm,              \
                                            const int64_t* positions, const int64_t* rows, const int64_t* seq_lens,  \
-                                           int64_t m, int64_t split_requests) {                                     \
+                                           int64_t m, int64_t split_requests, const LoraRows* lora) {               \
     pagedllm::decode_layers<T, Kernels_##SUFFIX>(layers, num_layers, *shape, residual, out, workspace, final_norm,  \
-                                                 positions, rows, seq_lens, m, split_requests);                     \
+                                                 positions, rows, seq_lens, m, split_requests, lora);               \
   }
 
 PAGEDLLM_DECODE_LAYERS(f32, float)
