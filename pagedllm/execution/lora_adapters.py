@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.core.step_message import Chunk
-from pagedllm.layers.lora import LoraKernel, LoraStack, LoraStep, LoraWeights
+from pagedllm.layers.lora import KernelTable, LoraKernel, LoraStack, LoraStep, LoraWeights
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
 
@@ -31,7 +31,9 @@ class LoraAdapters:
         max_rank: int,
         kernel: LoraKernel | None = None,
     ) -> None:
-        """`kernel`: the C++ kernels, where the model runs on them."""
+        """`kernel`: the C++ kernels, where the model runs on them (and they have `lora_add` for the dtype)."""
+        if kernel is not None and not kernel.lora_add_available.get(dtype, False):
+            kernel = None
         self.config, self.dtype, self.device, self.kernel = config, dtype, device, kernel
         self.max_loras, self.max_rank = max_loras, max_rank
         self.by_name: dict[str, LoraWeights] = {}
@@ -39,6 +41,17 @@ class LoraAdapters:
         self.by_key: dict[str, LoraWeights] = {}
         self._serial = itertools.count(1)
         self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
+        self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
+
+    def table_of(self, adapters: list[LoraWeights]) -> KernelTable:
+        """The adapters' KernelTable, kept for the next steps with the same set."""
+        keys = tuple(a.key for a in adapters)
+        table = self._tables.get(keys)
+        if table is None:
+            if len(self._tables) >= MAX_STACKS:
+                del self._tables[next(iter(self._tables))]
+            table = self._tables[keys] = KernelTable.build(adapters)
+        return table
 
     def stack_of(self, adapters: list[LoraWeights]) -> LoraStack:
         """The adapters stacked for a batched step, kept for the next steps with the same set."""
@@ -62,6 +75,8 @@ class LoraAdapters:
         outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
         key = f"{name}#{next(self._serial)}"
         weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
+        if self.kernel is not None:
+            weights = weights.pack(self.kernel.pack_panels)
         self.by_name[name], self.by_key[key], self.paths[name] = weights, weights, adapter.path
         return key
 
@@ -71,6 +86,7 @@ class LoraAdapters:
             raise KeyError(f"no adapter named {name!r} is loaded")
         del self.by_key[weights.key], self.paths[name]
         self._stacks = {keys: s for keys, s in self._stacks.items() if weights.key not in keys}
+        self._tables = {keys: t for keys, t in self._tables.items() if weights.key not in keys}
 
     def key_of(self, name: str) -> str:
         weights = self.by_name.get(name)
@@ -92,4 +108,4 @@ class LoraAdapters:
         rows: list[LoraWeights | None] = []
         for c in chunks:
             rows += [self.by_key[c.adapter] if c.adapter else None] * c.num_new_tokens
-        return LoraStep.for_rows(rows, self.stack_of, self.device, self.kernel)
+        return LoraStep.for_rows(rows, self.stack_of, self.device, self.kernel, self.table_of)

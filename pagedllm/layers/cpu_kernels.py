@@ -99,7 +99,8 @@ _SIGNATURES = {  # name: (argument types, the dtypes it has a `name_suffix` symb
     "dequantize_rows": ([_P, _P, _I, _P], _F32 + _BF16),
     "quant_amx_gemm": ([_P, _P, _I, _I, _P], _BF16),  # a no-op unless `quant_amx`
     "dequantize_blocked": ([_P, _P], _BF16),  # a no-op unless `dequantize_blocked_bf16`
-    "lora_add": ([_P] * 4 + [_I] * 3 + [_P] * 2 + [_I], _F32 + _BF16),
+    # bfloat16: a no-op unless built with AVX512-BF16 (`lora_add_available`)
+    "lora_add": ([_P] * 4 + [_I] * 3 + [_P] * 3, _F32 + _BF16),
 }
 _SUFFIX = {
     torch.float32: "f32",
@@ -294,6 +295,12 @@ class CpuKernels:
         _first_out_of_range.argtypes, _first_out_of_range.restype = [_P, _I, _I, _I], ctypes.c_int64
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
+        # The dtypes `lora_add` runs in this build (bfloat16 needs AVX512-BF16, as packed_gemm).
+        self.lora_add_available: dict[torch.dtype, bool] = {}
+        for dtype in _F32 + _BF16:
+            fn = getattr(library, f"lora_add_available_{_SUFFIX[dtype]}")
+            fn.restype = ctypes.c_int64
+            self.lora_add_available[dtype] = bool(fn())
         # Built with AVX512-BF16: bfloat16 GEMMs and attention take `vdpbf16ps` paths.
         self.native_bf16 = self.packed_gemm_max_rows[torch.bfloat16] > 0
 
@@ -512,29 +519,29 @@ class CpuKernels:
         return y
 
     def lora_add(
-        self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor,
-        a_t: torch.Tensor, b_t: torch.Tensor,
+        self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor, parts: tuple,
     ) -> None:  # fmt: skip
-        """y[row] += B_a (A_a x[row]) in place for row = order[i], a = adapter_of[i], from
-        adapters stacked as a_t [adapters, in, rank] and b_t [adapters, rank, out] in x's dtype
-        (csrc/lora.cpp)."""
-        _check(x, y, order, adapter_of, a_t, b_t)
-        rows, width = x.shape
-        adapters, rank, out = b_t.shape
+        """y[row] += B_a (A_a x[row]) in place for row = order[i], a = adapter_of[i]; `parts`: the
+        adapters' packed A and B addresses and ranks (layers/lora.py's KernelTable entry; each
+        adapter was checked against the model's projection sizes when it was loaded) (csrc/lora.cpp)."""
+        _check(x, y, order, adapter_of)
+        a_ptrs, b_ptrs, ranks = parts
+        rows = x.shape[0]
         _require(
             "lora_add",
-            x.dim() == 2 and y.shape == (rows, out) and y.dtype == x.dtype and a_t.shape == (adapters, width, rank)
-            and a_t.dtype == b_t.dtype == x.dtype,
-            "x [rows, in], y [rows, out], a_t [adapters, in, rank], b_t [adapters, rank, out], all of x's dtype",
-            x=x, y=y, a_t=a_t, b_t=b_t,
+            x.dim() == 2 and y.dim() == 2 and y.shape[0] == rows and y.dtype == x.dtype
+            and self.lora_add_available.get(x.dtype, False),
+            "x [rows, in], y [rows, out] of x's dtype, float32 or (with AVX512-BF16) bfloat16",
+            x=x, y=y,
         )  # fmt: skip
         _index("lora_add", "order", order, None)
         _index("lora_add", "adapter_of", adapter_of, order.shape[0])
         check_index_range("lora_add", "order", order, 0, rows)
-        check_index_range("lora_add", "adapter_of", adapter_of, 0, adapters)
+        check_index_range("lora_add", "adapter_of", adapter_of, 0, len(ranks))
         self._fn("lora_add", x.dtype)(
-            _ptr(x), _ptr(y), _ptr(order), _ptr(adapter_of), order.numel(), width, out, _ptr(a_t), _ptr(b_t), rank
-        )
+            _ptr(x), _ptr(y), _ptr(order), _ptr(adapter_of), order.numel(), x.shape[1], y.shape[1],
+            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(ranks),
+        )  # fmt: skip
 
     def decode_layers_workspace(self, shape: ctypes.Structure) -> int:
         """Workspace elements per row that `decode_layers` needs for this model's shape."""

@@ -35,7 +35,7 @@ import torch
 from pagedllm.layers.attention_metadata import AttentionMetadata
 from pagedllm.layers.cpu_kernels import KV_CACHE_DTYPES, CpuKernels, check_index_range
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.lora import LoraStack, LoraStep
+from pagedllm.layers.lora import KernelTable, LoraStep
 from pagedllm.layers.quantized import QuantizedLinear, QuantWeightStruct
 
 MAX_PARTS = 4  # csrc/decode_layers.cpp's kMaxParts
@@ -53,7 +53,7 @@ class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
 
 
 class _LoraPart(ctypes.Structure):  # csrc/decode_layers.cpp's LoraPart
-    _fields_ = [("a_t", ctypes.c_void_p), ("b_t", ctypes.c_void_p), ("rank", ctypes.c_int64)]
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p)]
 
 
 class _LoraRows(ctypes.Structure):  # csrc/decode_layers.cpp's LoraRows
@@ -185,9 +185,7 @@ class FusedDecode:
         # Rows of the rotary tables a position may index (a layer without rotary reads none).
         self._positions = min((layer.cos.shape[0] for layer in layers if layer.rotary_dim), default=2**62)
         # Per stacked adapter set (keyed by its adapters' keys): its LoraPart table, and the stack it points into.
-        self._lora_tables: dict[tuple[str, ...], tuple[ctypes.Array, LoraStack]] = {}
-        self.hidden, self.q_size = hidden, heads * head_dim
-        self.qkv_size, self.intermediate = layers[0].qkv_proj.out_features, inter
+        self._lora_tables: dict[tuple[str, ...], tuple[ctypes.Array, KernelTable]] = {}
 
     def applies(self, meta: AttentionMetadata | list[AttentionMetadata], num_tokens: int) -> bool:
         """True for a step this path runs exactly as the layer loop would (`meta`: one for every
@@ -230,28 +228,23 @@ class FusedDecode:
 
     def _lora_rows(self, lora: LoraStep, rows: int) -> _LoraRows:
         """The step's adapters as decode_layers takes them (a LoraStep of the C++ kernel's kind)."""
-        stack, batched = lora.stack, lora.batched
-        entry = self._lora_tables.get(stack.keys)
-        if entry is None or entry[1] is not stack:
-            hidden, inter = self.hidden, self.intermediate
-            shapes = {"qkv_proj": (hidden, self.qkv_size), "o_proj": (self.q_size, hidden)}
-            shapes |= {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+        batched = lora.batched
+        table = batched.table
+        entry = self._lora_tables.get(table.keys)
+        if entry is None or entry[1] is not table:
             parts = (_LoraPart * (4 * len(self.layers)))()
-            for layer_index, stacked in enumerate(stack.layers):
+            for layer_index, layer in enumerate(table.layers):
                 for which, name in enumerate(PROJECTIONS):
-                    pair = stacked.get(name)
-                    if pair is None:
-                        continue
-                    a_t, b_t = pair
-                    width, out = shapes[name]
-                    if a_t.dtype != self.dtype or a_t.shape[1] != width or b_t.shape[2] != out:
-                        raise ValueError(f"adapter stack {name} {tuple(a_t.shape)} does not fit this model")
-                    parts[layer_index * 4 + which] = _LoraPart(a_t.data_ptr(), b_t.data_ptr(), a_t.shape[2])
+                    if name in layer:
+                        a_ptrs, b_ptrs, ranks = layer[name]
+                        parts[layer_index * 4 + which] = _LoraPart(
+                            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(ranks)
+                        )
             if len(self._lora_tables) >= MAX_LORA_TABLES:
                 del self._lora_tables[next(iter(self._lora_tables))]
-            entry = self._lora_tables[stack.keys] = (parts, stack)
+            entry = self._lora_tables[table.keys] = (parts, table)
         check_index_range("decode_layers", "adapter rows", batched.gather, 0, rows)
-        check_index_range("decode_layers", "adapters", batched.adapter_of, 0, len(stack.keys))
+        check_index_range("decode_layers", "adapters", batched.adapter_of, 0, len(table.keys))
         return _LoraRows(
             ctypes.addressof(entry[0]), batched.gather.data_ptr(), batched.adapter_of.data_ptr(), batched.gather.numel()
         )

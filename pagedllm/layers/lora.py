@@ -9,8 +9,9 @@ adapter does not target leaves its block of B zero."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +32,22 @@ class LoraWeights:
 
     key: str  # unique among every adapter the engine ever loaded (the prefix cache's salt)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    # The same, packed for the C++ kernel (`pack` below): per layer, per projection, (A, B, rank).
+    packed: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = field(default_factory=list)
+
+    def pack(self, pack_panels: Callable[[torch.Tensor], torch.Tensor]) -> LoraWeights:
+        """A copy whose `packed` holds A [r', in] and B [out, r'] packed by `pack_panels` (the C++
+        kernels' packing for packed_gemm), r' rounded up to even for bfloat16's pairs."""
+        packed = []
+        for layer in self.layers:
+            entry = {}
+            for name, (a, b) in layer.items():
+                rank = a.shape[0] + (a.shape[0] % 2 if a.dtype == torch.bfloat16 else 0)
+                if rank != a.shape[0]:  # a zero row of A and column of B: the same update
+                    a, b = torch.cat([a, a.new_zeros(1, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], 1)], 1)
+                entry[name] = (pack_panels(a), pack_panels(b.contiguous()), rank)
+            packed.append(entry)
+        return LoraWeights(self.key, self.layers, packed)
 
     @classmethod
     def build(
@@ -65,8 +82,38 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
-        pairs = [pair for layer in self.layers for pair in layer.values()]
-        return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
+        tensors = [t for layer in self.layers for pair in layer.values() for t in pair]
+        tensors += [t for layer in self.packed for a, b, _ in layer.values() for t in (a, b)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """A set of adapters as the C++ kernel takes them: per layer, per projection, arrays of their
+    packed A and B addresses (null for an adapter that leaves the projection alone) and ranks.  It
+    holds the adapters, so the addresses stay valid while it lives."""
+
+    keys: tuple[str, ...]
+    adapters: tuple[LoraWeights, ...]
+    layers: list[dict[str, tuple[ctypes.Array, ctypes.Array, ctypes.Array]]]
+
+    @classmethod
+    def build(cls, adapters: list[LoraWeights]) -> KernelTable:
+        n = len(adapters)
+        layers = []
+        for index in range(len(adapters[0].packed)):
+            entry = {}
+            for name in FUSED_PARTS:
+                parts = [a.packed[index].get(name) for a in adapters]
+                if all(part is None for part in parts):
+                    continue
+                a_ptrs, b_ptrs, ranks = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_int64 * n)()
+                for i, part in enumerate(parts):
+                    if part is not None:
+                        a_ptrs[i], b_ptrs[i], ranks[i] = part[0].data_ptr(), part[1].data_ptr(), part[2]
+                entry[name] = (a_ptrs, b_ptrs, ranks)
+            layers.append(entry)
+        return cls(tuple(a.key for a in adapters), tuple(adapters), layers)
 
 
 @dataclass(frozen=True)
@@ -102,11 +149,16 @@ class LoraStack:
 
 
 class LoraKernel(Protocol):
-    """The C++ kernel (layers/cpu_kernels.py's CpuKernels.lora_add)."""
+    """The C++ kernel (layers/cpu_kernels.py's CpuKernels.lora_add), the dtypes it runs, and how it
+    wants weights packed."""
+
+    lora_add_available: dict[torch.dtype, bool]
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor: ...
 
     def lora_add(
         self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor,
-        a_t: torch.Tensor, b_t: torch.Tensor,
+        parts: tuple[ctypes.Array, ctypes.Array, ctypes.Array],
     ) -> None: ...  # fmt: skip
 
 
@@ -122,6 +174,7 @@ class Batched:
     shape: tuple[int, int]
     kernel: LoraKernel | None = None
     adapter_of: torch.Tensor | None = None
+    table: KernelTable | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +185,7 @@ class LayerLora:
 
     groups: list[tuple[slice | torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
     batched: Batched | None = None
-    stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    stacked: dict[str, tuple] | None = None  # this layer's LoraStack or KernelTable entries
 
     def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base projection `name` of `x`) with each adapter's update added to its rows, in place."""
@@ -142,7 +195,7 @@ class LayerLora:
                 return y
             b = self.batched
             if b.kernel is not None:
-                b.kernel.lora_add(x.contiguous(), y, b.gather, b.adapter_of, *pair)
+                b.kernel.lora_add(x.contiguous(), y, b.gather, b.adapter_of, pair)
                 return y
             t = torch.bmm(x.index_select(0, b.gather).view(*b.shape, -1), pair[0])
             if b.mask is not None:
@@ -183,10 +236,12 @@ class LoraStep:
         stack_of: Callable[[list[LoraWeights]], LoraStack],
         device: torch.device | str = "cpu",
         kernel: LoraKernel | None = None,
+        table_of: Callable[[list[LoraWeights]], KernelTable] | None = None,
     ) -> LoraStep | None:
         """From each row's adapter (None: the base model alone); None where no row has one.
         `stack_of` stacks a set of adapters (the caller keeps the stacks it has built); `kernel`:
-        the C++ kernel, where the step's tensors are on the CPU."""
+        the C++ kernel, where the step's tensors are on the CPU and the adapters are packed for it,
+        with `table_of` making (or finding) a set's KernelTable."""
         rows_of: dict[int, list[int]] = {}
         weights_of: dict[int, LoraWeights] = {}
         for row, adapter in enumerate(row_adapters):
@@ -197,13 +252,13 @@ class LoraStep:
             return None
         sizes = [len(rows) for rows in rows_of.values()]
         width = max(sizes)
-        if kernel is not None and sum(sizes) <= KERNEL_MAX_ROWS:
-            stack = stack_of([weights_of[key] for key in rows_of])
+        if kernel is not None and table_of is not None and sum(sizes) <= KERNEL_MAX_ROWS:
+            table = table_of([weights_of[key] for key in rows_of])
             order = [row for rows in rows_of.values() for row in rows]
             adapter_of = [i for i, rows in enumerate(rows_of.values()) for _ in rows]
             as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-            batched = Batched(as_tensor(order), None, (len(sizes), width), kernel, as_tensor(adapter_of))
-            return cls([], batched, stack)
+            batched = Batched(as_tensor(order), None, (len(sizes), width), kernel, as_tensor(adapter_of), table)
+            return cls([], batched)
         if len(rows_of) > 1 and sum(sizes) >= MIN_BATCHED_FILL * len(sizes) * width:
             gather = [rows + [rows[0]] * (width - len(rows)) for rows in rows_of.values()]
             mask = None
@@ -228,6 +283,8 @@ class LoraStep:
         return self.batched is not None and self.batched.kernel is not None
 
     def layer(self, index: int) -> LayerLora:
+        if self.fused:
+            return LayerLora([], self.batched, self.batched.table.layers[index])
         if self.batched is not None:
             return LayerLora([], self.batched, self.stack.layers[index])
         return LayerLora([(rows, weights.layers[index]) for rows, weights in self.groups])

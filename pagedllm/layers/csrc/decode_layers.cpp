@@ -59,14 +59,14 @@ struct DecodeLayer {
   int64_t rotary_dim;  // dims of each head that rotate, the rest passing through (0: no rotary)
 };
 
-// A step's LoRA adapters (pagedllm/layers/lora.py's LoraStack): per layer, per projection (qkv, o,
-// gate_up, down) the stacked A.T [adapters][in][rank] and B.T [adapters][rank][out] in the dtype
-// (a_t null: no adapter of the step touches it), and the rows under an adapter, sorted by adapter,
-// with each one's place in the stack.  Each projection's update is csrc/lora.cpp's lora_add.
+// A step's LoRA adapters (pagedllm/layers/lora.py's KernelTable): per layer, per projection (qkv,
+// o, gate_up, down) one packed A and B address and a rank per adapter of the step (a null: no
+// adapter of the step touches it), and the rows under an adapter, sorted by adapter, with each
+// one's place in those arrays.  Each projection's update is csrc/lora.cpp's lora_add.
 struct LoraPart {
-  const void* a_t;
-  const void* b_t;
-  int64_t rank;
+  const void* const* a;
+  const void* const* b;
+  const int64_t* ranks;
 };
 struct LoraRows {
   const LoraPart* parts;  // [layers][4]
@@ -99,8 +99,8 @@ struct DecodeShape {
   void paged_decode_attention_##SUFFIX(const T*, const T*, const T*, T*, const int64_t*, const int64_t*,           \
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
                                        int64_t, int64_t);                                                          \
-  void lora_add_##SUFFIX(const T*, T*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, const T*,       \
-                         const T*, int64_t);                                                                       \
+  void lora_add_##SUFFIX(const T*, T*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,                \
+                         const void* const*, const void* const*, const int64_t*);                                  \
   }                                                                                                                \
   struct Kernels_##SUFFIX {                                                                                        \
     using KV = T; /* the KV cache's element */                                                                     \
@@ -185,9 +185,8 @@ template <typename T, typename K>
 void add_lora(const LoraRows* lora, int64_t layer, int which, const T* x, T* y, int64_t k, int64_t n) {
   if (lora == nullptr || lora->count == 0) return;
   const LoraPart& part = lora->parts[layer * 4 + which];
-  if (part.a_t == nullptr) return;
-  K::lora_add(x, y, lora->order, lora->adapter_of, lora->count, k, n, static_cast<const T*>(part.a_t),
-              static_cast<const T*>(part.b_t), part.rank);
+  if (part.a == nullptr) return;
+  K::lora_add(x, y, lora->order, lora->adapter_of, lora->count, k, n, part.a, part.b, part.ranks);
 }
 
 // residual += delta, element by element in float and rounded once, as torch's add_ does.
