@@ -1,8 +1,9 @@
 """Output tok/s of a workload spread over several LoRA adapters against the same workload on the
 base model alone, in one engine, alternated round by round.
 
-The adapters are random (`pagedllm.testing.lora`; speed does not depend on the values), every
-projection targeted, written under bench-results/lora/.  Request i runs under adapter i mod N.
+The adapters are random (`pagedllm.testing.lora`; speed does not depend on the values), on every
+projection or on `--targets` (PEFT's default for llama models is q_proj v_proj), written under
+bench-results/lora/.  Request i runs under adapter i mod N.
 Each run starts with the prefix cache emptied, after an untimed warm-up of both kinds.
 
     python benchmarks/lora_throughput.py --model smollm2 --adapters 8 --rank 16 \\
@@ -21,6 +22,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.layers.cpu_kernels import cpu_summary
 from pagedllm.models.loader import read_model_config, resolve_model_path
+from pagedllm.models.lora_files import TARGETS
 from pagedllm.testing.lora import write_random_adapter
 
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS, help="projections adapted")
     parser.add_argument("--workload", default="benchmarks/workloads/sharegpt-like-160.jsonl")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -47,10 +50,13 @@ def main() -> None:
     config = read_model_config(path)
     root = Path("bench-results/lora") / path.stem
     names = [f"adapter-{i}" for i in range(args.adapters)]
-    modules = [
-        f"{name}={write_random_adapter(root / f'{name}-r{args.rank}', config, rank=args.rank, seed=i)}"
+    targets = tuple(args.targets)
+    suffix = "all" if set(targets) == set(TARGETS) else "-".join(t.removesuffix("_proj") for t in targets)
+    paths = [
+        write_random_adapter(root / f"{name}-r{args.rank}-{suffix}", config, args.rank, targets=targets, seed=i)
         for i, name in enumerate(names)
     ]
+    modules = [f"{name}={path}" for name, path in zip(names, paths)]
     requests = load_workload(args.workload, args.num_requests)
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, lora_modules=modules,
