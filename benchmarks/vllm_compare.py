@@ -19,6 +19,8 @@ engines' full settings; vLLM's log of each run goes beside it, and whether its c
 loaded (vLLM 0.32 with torch 2.13 fails to load its AOT-compiled graph and compiles again at
 every start; `--vllm-env VLLM_USE_AOT_COMPILE=0` measures the other path).  `--max-tokens 1`
 gives every request one output token, so that the run times the prompt steps alone.
+`--lora-adapters N` runs request i under random LoRA adapter i mod N in both engines (vLLM with
+`enable_lora`, the same PEFT files), the warm-up too.
 
 Results go to bench-results/ (ignored by git) unless --output says otherwise.
 """
@@ -39,11 +41,29 @@ from pagedllm.benchmarking.throughput import print_result, run_in_subprocess, wa
 from pagedllm.cache_dir import cache_dir
 from pagedllm.config import EngineConfig, parse_bytes
 from pagedllm.execution.device import resolve_dtype
-from pagedllm.models.loader import BUNDLED_MODELS
+from pagedllm.models.loader import BUNDLED_MODELS, read_model_config, resolve_model_path
+from pagedllm.models.lora_files import TARGETS
+from pagedllm.testing.lora import write_random_adapter
 
 # --kv-cache-dtype: pagedllm's name -> vLLM's (both e4m3, scale 1: vLLM scales by 1.0 unless the
 # checkpoint has calibrated scales, which these models do not)
 VLLM_KV_CACHE_DTYPES = {"auto": "auto", "float8_e4m3": "fp8_e4m3"}
+
+
+def lora_adapters(args: argparse.Namespace) -> list[list[str]]:
+    """`--lora-adapters` random PEFT adapters for the model, written once under bench-results/lora/."""
+    if not args.lora_adapters:
+        return []
+    path = resolve_model_path(args.model)
+    config = read_model_config(path)
+    targets = tuple(args.lora_targets)
+    suffix = "all" if set(targets) == set(TARGETS) else "-".join(t.removesuffix("_proj") for t in targets)
+    root = Path("bench-results/lora") / path.stem
+    return [
+        [f"adapter-{i}", str(write_random_adapter(root / f"adapter-{i}-r{args.lora_rank}-{suffix}", config,
+                                                  args.lora_rank, targets=targets, seed=i).resolve())]
+        for i in range(args.lora_adapters)
+    ]  # fmt: skip
 
 
 def main() -> int:
@@ -76,6 +96,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each starts both engines afresh")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra vLLM variables")
     parser.add_argument("--untuned", action="store_true", help="vLLM without its CPU tuning (a check, not a peer)")
+    parser.add_argument(
+        "--lora-adapters", type=int, default=0, help="N random LoRA adapters; request i runs under adapter i mod N"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--output", default="bench-results/vllm-compare.json")
     args = parser.parse_args()
     model = Path(args.hf_model) if args.hf_model else peer_directory(args.model)
@@ -92,6 +117,10 @@ def main() -> int:
         args.workload = str(cache_dir(f"{Path(args.workload).stem}-{len(requests)}x-max{args.max_tokens}.jsonl"))
         save_workload(requests, args.workload)
     warmup = warmup_requests(requests)
+    loras = lora_adapters(args)  # [name, path], the same files for both engines
+    if loras:
+        requests = [r | {"lora": loras[i % len(loras)][0]} for i, r in enumerate(requests)]
+        warmup = [r | {"lora": loras[i % len(loras)][0]} for i, r in enumerate(warmup)]
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # vLLM gets the same, named
     kv_bytes = parse_bytes(args.kv_cache_memory)
     config = EngineConfig(
@@ -100,12 +129,16 @@ def main() -> int:
         kv_cache_memory=kv_bytes,
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
+        lora_modules=tuple(f"{name}={path}" for name, path in loras),
+        max_loras=max(len(loras), 1),
+        max_lora_rank=args.lora_rank,
     )
     extra = dict(item.split("=", 1) for item in args.vllm_env)
     env = vllm_env(args.vllm_python, kv_bytes, tuned=not args.untuned, extra=extra)
     vllm_run = {"workload": str(Path(args.workload).resolve()), "num_requests": len(requests), "model": str(model),
                 "dtype": dtype, "max_model_len": args.max_model_len, "warmup": warmup,
-                "kv_cache_dtype": VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype]}  # fmt: skip
+                "kv_cache_dtype": VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype],
+                "loras": loras, "max_lora_rank": args.lora_rank}  # fmt: skip
     logs, vllm_round = Path(args.output).with_suffix(""), itertools.count(1)
 
     def run_vllm() -> dict:  # vLLM's log of each run beside the results: settings, compilation, KV size

@@ -344,3 +344,41 @@ def test_every_way_of_adding_updates_gives_each_rows_own(monkeypatch, mode, dtyp
             a, b = (t.float() for t in weights.layers[0]["qkv_proj"])
             expected = expected + b @ (a @ x[i].float())
         torch.testing.assert_close(y[i].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_gemma3_layers_take_adapters_as_a_merged_checkpoint_runs(tmp_path):
+    """Gemma 3's layers (sliding windows, per-head norms, GeGLU) under an adapter on every
+    projection give the tokens of the same engine on PEFT's merged checkpoint (W + s B A), in the
+    layer loop for prompts and the one-call step for decodes."""
+    import shutil
+
+    from pagedllm.testing.hf_reference import first_divergence_is_a_near_tie, save_random_model
+
+    base = save_random_model(
+        tmp_path / "base", "gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=12, query_pre_attn_scalar=32,
+        max_position_embeddings=512, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(ADAPTERS["all"][2]), init_lora_weights=False)
+    tuned = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    tuned.save_pretrained(tmp_path / "adapter")
+    merged = tuned.merge_and_unload().eval()
+    merged.save_pretrained(tmp_path / "merged")
+    for file in (tmp_path / "base").iterdir():
+        if "token" in file.name or file.name.endswith(".jinja"):
+            shutil.copy(file, tmp_path / "merged" / file.name)
+    args = dict(dtype="float32", block_size=4, kv_cache_memory="16MiB")
+    with_adapter = LLM(str(tmp_path / "base"), lora_modules=[f"a={tmp_path / 'adapter'}"], **args)
+    on_merged = LLM(str(tmp_path / "merged"), **args)
+    batch = prompts(4, seed=11)
+    ours = with_adapter.generate(batch, greedy(20), lora="a")
+    expected = on_merged.generate(batch, greedy(20))
+    assert [o.token_ids for o in ours] != [o.token_ids for o in with_adapter.generate(batch, greedy(20))]
+    for prompt, a, b in zip(batch, ours, expected):
+        assert first_divergence_is_a_near_tie(merged, prompt, a.token_ids, b.token_ids, 1e-3) is None
+    assert_nothing_held(with_adapter)

@@ -38,15 +38,24 @@ VLLM_OFFLINE_RUNNER = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     args = json.loads(sys.argv[1])
     requests = [json.loads(line) for line in open(args["workload"]) if line.strip()][: args["num_requests"]]
+    loras = args.get("loras") or []  # [name, path]: request i runs under adapter i mod len(loras)
+    lora_args = {}
+    if loras:
+        from vllm.lora.request import LoRARequest
+        lora_args = dict(enable_lora=True, max_loras=len(loras), max_lora_rank=args["max_lora_rank"])
     begin = time.perf_counter()
     llm = LLM(model=args["model"], dtype=args["dtype"], max_model_len=args["max_model_len"], seed=0,
-              kv_cache_dtype=args["kv_cache_dtype"])
+              kv_cache_dtype=args["kv_cache_dtype"], **lora_args)
     startup = time.perf_counter() - begin
 
     def run(items):
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in items]
         params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in items]
-        return llm.generate(prompts, params, use_tqdm=False)
+        if not loras:
+            return llm.generate(prompts, params, use_tqdm=False)
+        pick = [i % len(loras) for i in range(len(items))]
+        requests = [LoRARequest(loras[j][0], j + 1, loras[j][1]) for j in pick]
+        return llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
 
     run(args["warmup"])
     start = time.perf_counter()
