@@ -208,7 +208,12 @@ class EngineConfig:
         kind="list",
         flag="--lora",
     )
-    max_loras: int = setting(8, "most LoRA adapters loaded at once", kind="int")
+    max_loras: int = setting(
+        8,
+        "most LoRA adapters resident at once (more may be registered: one is read again when a request needs it, "
+        "in the place of the least recently used idle one)",
+        kind="int",
+    )
     max_lora_rank: int = setting(64, "highest rank a LoRA adapter may have", kind="int")
     distributed_init_method: str | None = setting(
         None, "join ranks started by a launcher: env:// (torchrun), tcp://HOST:PORT or file://PATH", kind="str"

@@ -26,6 +26,21 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 }
 
 
+def peft_adapter(base, rank: int, alpha: float, targets, std: float, seed: int, rslora: bool = False):
+    """A PEFT LoRA model over a copy of `base` whose A and B are random (B drawn from N(0, std): PEFT's
+    own random init leaves it small, and the update must change the tokens)."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, init_lora_weights=False
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)
+    return model
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The base checkpoint, and per adapter its PEFT directory and transformers+PEFT model."""
@@ -43,15 +58,7 @@ def tiny(tmp_path_factory):
     )
     adapters = {}
     for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + i)
-        config = peft.LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False
-        )
-        model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-        with torch.no_grad():  # PEFT's random init leaves B small; make the update change the tokens
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(0, 0.3)
+        model = peft_adapter(base, rank, alpha, targets, std=0.3, seed=100 + i, rslora=rslora)
         model.save_pretrained(root / name)
         adapters[name] = (root / name, model)
     return root / "base", base, adapters
@@ -166,15 +173,59 @@ def test_unknown_adapter_and_unload_in_use_are_clear_errors(tiny):
     assert_nothing_held(llm)
 
 
-def test_max_loras_and_rank_limit(tiny):
+def test_rank_limit(tiny):
     path, _, adapters = tiny
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_loras=1, max_lora_rank=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_lora_rank=8)
     llm.engine.load_lora("attn", str(adapters["attn"][0]))
-    with pytest.raises(ValueError, match="max_loras=1"):
-        llm.engine.load_lora("mlp", str(adapters["mlp"][0]))
-    llm.engine.unload_lora("attn")
     with pytest.raises(ModelFileError, match="rank 16 is over the engine's max_lora_rank of 8"):
         llm.engine.load_lora("all", str(adapters["all"][0]))
+    assert [a["name"] for a in llm.engine.lora_adapters()] == ["attn"]
+
+
+def test_a_hundred_adapters_registered_with_room_for_eight(tiny, tmp_path):
+    """100 registered, 8 resident: a stream of requests over all of them completes, each with its
+    own adapter's tokens (adapters read again after eviction give the same), and nothing is held."""
+    from pagedllm.models.loader import read_model_config
+    from pagedllm.testing.lora import write_random_adapter
+
+    path, _, adapters = tiny
+    config = read_model_config(path)
+    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB", max_loras=8, max_num_seqs=12)
+    names = [f"n{i}" for i in range(100)]
+    for i, name in enumerate(names):
+        adapter = write_random_adapter(tmp_path / name, config, rank=2 + i % 3, seed=i, std=0.3)
+        llm.engine.load_lora(name, str(adapter))
+    listed = llm.engine.lora_adapters()
+    assert len(listed) == 100 and sum(a["resident"] for a in listed) == 8
+    # Each adapter alone first: the tokens to expect.
+    prompt = prompts(2)[1]
+    alone = {name: llm.generate([prompt], greedy(6), lora=name)[0].token_ids for name in names[::7]}
+    # Then all 100 at once, 12 running at a time over 8 slots: the rest wait for an idle adapter.
+    outputs = llm.generate([prompt] * 100, greedy(6), lora=names)
+    assert all(o.finish_reason == "length" for o in outputs)
+    for name, output in zip(names, outputs):
+        if name in alone:
+            assert output.token_ids == alone[name], name
+    assert len({tuple(o.token_ids) for o in outputs}) > 50  # the adapters differ
+    assert llm.engine.adapters.num_evictions >= 92
+    assert sum(a["resident"] for a in llm.engine.lora_adapters()) == 8
+    assert_nothing_held(llm)
+
+
+def test_an_adapter_that_no_longer_loads_ends_its_requests(tiny, tmp_path):
+    import shutil
+
+    path, base, adapters = tiny
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_loras=1)
+    shutil.copytree(adapters["attn"][0], tmp_path / "attn")
+    llm.engine.load_lora("attn", str(adapters["attn"][0]))
+    llm.engine.load_lora("gone", str(tmp_path / "attn"))  # registered, not resident (one slot)
+    shutil.rmtree(tmp_path / "attn")
+    outputs = llm.generate(prompts(3), greedy(4), lora=["attn", "gone", None])
+    assert outputs[1].finish_reason == "error" and "LoRA adapter 'gone' could not be loaded" in outputs[1].error
+    assert outputs[0].token_ids == hf_greedy(adapters["attn"][1], prompts(3)[0], 4)
+    assert outputs[2].token_ids == hf_greedy(base, prompts(3)[2], 4)
+    assert_nothing_held(llm)
 
 
 def rewrite_config(src, dst, **changes):
@@ -251,13 +302,7 @@ def test_combinations_without_adapter_support_are_refused(tiny):
 def smollm2_adapter(hf_model, tmp_path_factory):
     """A random rank-16 PEFT adapter on the real SmolLM2 (every projection), and transformers+PEFT
     running it on the GGUF's weights."""
-    torch.manual_seed(5)
-    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=list(ADAPTERS["all"][2]), init_lora_weights=False)
-    model = peft.get_peft_model(copy.deepcopy(hf_model), config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
+    model = peft_adapter(hf_model, 16, 32, ADAPTERS["all"][2], std=0.02, seed=5)
     path = tmp_path_factory.mktemp("smollm2-lora")
     model.save_pretrained(path)
     return path, model
@@ -359,13 +404,7 @@ def test_gemma3_layers_take_adapters_as_a_merged_checkpoint_runs(tmp_path):
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=12, query_pre_attn_scalar=32,
         max_position_embeddings=512, initializer_range=0.1,
     )  # fmt: skip
-    torch.manual_seed(3)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(ADAPTERS["all"][2]), init_lora_weights=False)
-    tuned = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    with torch.no_grad():
-        for name, param in tuned.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    tuned = peft_adapter(base, 8, 16, ADAPTERS["all"][2], std=0.1, seed=3)
     tuned.save_pretrained(tmp_path / "adapter")
     merged = tuned.merge_and_unload().eval()
     merged.save_pretrained(tmp_path / "merged")

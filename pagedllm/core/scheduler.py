@@ -72,7 +72,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Why the waiting queue's head was not admitted: "memory" (no room in the KV
-    # cache, or a preemption this step), "budget", "max_num_seqs"; None when nobody waits.
+    # cache, or a preemption this step), "budget", "max_num_seqs", "adapter" (its LoRA adapter
+    # cannot be made resident yet); None when nobody waits.
     admission_blocked_by: str | None = None
     # Copy-on-write: (source, destination) blocks to copy before this step's attention.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -97,6 +98,7 @@ class Scheduler:
         speculation: Speculation | None = None,
         draft_filter: Callable[[Request, list[int]], int] | None = None,
         draft_row_limits: tuple[int, ...] = (),
+        admit: Callable[[Request], bool] | None = None,
     ) -> None:
         """`prompt_salt`: what, given a prompt's length, besides its tokens makes a request's KV
         differ (mixed into its prefix-cache keys); None: nothing.  `speculation`: draft tokens for
@@ -105,7 +107,9 @@ class Scheduler:
         counts that end the ranges within which the model computes a row the same whatever the
         rows beside it (the last range ends at the last); a step's drafts keep its rows, and its
         decoding rows, within the range they are in without drafts, and a step past the last gets
-        none.  Empty: drafts are not limited so."""
+        none.  Empty: drafts are not limited so.  `admit(request)`: whether what a waiting request
+        needs besides KV blocks is ready (its LoRA adapter resident); False keeps it waiting at the
+        head of the queue, as a lack of blocks does."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -120,6 +124,7 @@ class Scheduler:
         self.speculation = speculation
         self.draft_row_limits = tuple(sorted(draft_row_limits))
         self.draft_filter = draft_filter
+        self.admit = admit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -196,6 +201,9 @@ class Scheduler:
                 output.admission_blocked_by = "max_num_seqs"
                 break
             request = self.waiting[0]
+            if self.admit is not None and not self.admit(request):
+                output.admission_blocked_by = "adapter"
+                break
             cached = self.kv_cache.find_cached_prefix(request.token_ids, self._salt(request))
             num_cached = self.kv_cache.cached_tokens(cached)
             num_new = min(request.num_tokens - num_cached, budget, prefill_budget)

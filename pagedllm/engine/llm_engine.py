@@ -117,6 +117,7 @@ class LLMEngine:
         self.memory = KVMemoryTracker()
         self._step_failures = 0  # forward-pass failures in a row
         self._step_error = ""
+        self._adapter_failures: dict[str, str] = {}  # sequence id -> why its adapter would not load
         self.info = EngineInfo(
             model_path=str(built.path),
             max_model_len=self.max_model_len,
@@ -182,7 +183,22 @@ class LLMEngine:
             speculation=self.speculation,
             draft_filter=self._draft_filter if self.speculation is not None else None,
             draft_row_limits=self.draft_row_limits,
+            admit=self._admit,
         )
+
+    def _admit(self, request: Request) -> bool:
+        """The scheduler's question for a waiting request: is its LoRA adapter resident (made so
+        where a slot is free or idle)?  An adapter whose file now fails to load ends the request
+        with that error after the step is scheduled (`_adapter_failures`)."""
+        if request.adapter is None:
+            return True
+        busy = {r.adapter for r in self.scheduler.running if r.adapter is not None}
+        try:
+            return self.adapters.make_resident(request.adapter, busy)
+        except (ValueError, OSError) as error:  # ModelFileError is a ValueError
+            name = self.adapters.name_of(request.adapter)
+            self._adapter_failures[request.request_id] = f"LoRA adapter {name!r} could not be loaded: {error}"
+            return False
 
     def _log_start(self, built: RankModel, tp: TensorParallel) -> None:
         config, c, num_blocks = self.config, built.model_config, built.num_blocks
@@ -294,7 +310,8 @@ class LLMEngine:
     # --- LoRA adapters (execution/lora_adapters.py) -------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
-        """Load the PEFT LoRA adapter at `path` as `name`; requests then pick it by name."""
+        """Register the PEFT LoRA adapter at `path` as `name` (checked whole now, resident while
+        `max_loras` allows, else read again when a request needs it); requests pick it by name."""
         if self.lora_refusal:
             raise ValueError(f"LoRA adapters cannot run here: {self.lora_refusal}")
         self.adapters.load(name, path)
@@ -308,7 +325,7 @@ class LLMEngine:
         self.adapters.unload(name)
 
     def lora_adapters(self) -> list[dict]:
-        """The loaded adapters: name, path, bytes."""
+        """The registered adapters: name, path, whether resident, bytes."""
         return self.adapters.describe()
 
     @property
@@ -382,6 +399,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
         outputs = self._update(scheduled, result) if result is not None else self._fail_step(scheduled)
+        if self._adapter_failures:
+            outputs += self._fail_adapter_requests()
         if self.threads is not None:
             self.threads.after_step()
         return outputs
@@ -430,6 +449,17 @@ class LLMEngine:
         stats.kv_peak_blocks_used = max(stats.kv_peak_blocks_used, self.kv_cache.num_used_blocks)
         outputs = self.output_processor.process(scheduled, result)
         self.memory.record(self.scheduler, stats.steps, scheduled.admission_blocked_by == "memory")
+        return outputs
+
+    def _fail_adapter_requests(self) -> list[RequestOutput]:
+        """End the requests whose adapter failed to load at admission, each with its error."""
+        outputs = []
+        for sequence_id, why in self._adapter_failures.items():
+            group = self.table.group_of.get(sequence_id)
+            if group is not None:
+                self.output_processor.fail_group(group, why, "model")
+                outputs.append(self.output_processor.output(group))
+        self._adapter_failures.clear()
         return outputs
 
     def _fail_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:

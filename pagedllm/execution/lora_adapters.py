@@ -1,13 +1,18 @@
-"""The LoRA adapters an engine has loaded, by name, and each step's rows by adapter.
+"""The LoRA adapters an engine knows, by name: registered (checked, its file's path kept) and,
+up to `max_loras` of them, resident (its weights in memory).  A request's adapter is made resident
+when the scheduler admits it (`make_resident`), evicting the least recently used adapter that no
+running request uses; with none to evict the request waits, as it waits for KV blocks.
 
-Every load gets a key of its own (`NAME#N`), which requests carry: an adapter unloaded and loaded
-again under the same name from another file is another key, so the prefix cache (salted by the
-key) never hands one adapter's KV blocks to the other."""
+Every registration gets a key of its own (`NAME#N`), which requests carry: an adapter unloaded and
+registered again under the same name from another file is another key, so the prefix cache
+(salted by the key) never hands one adapter's KV blocks to the other."""
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +23,14 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
 
 MAX_STACKS = 4  # stacked sets kept: a steady decode batch reuses its one
+MAX_REGISTERED = 4096  # adapters registered at once (each a path and a key; only max_loras resident)
 ADAPTER_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
+
+
+@dataclass(frozen=True)
+class Registered:
+    key: str
+    path: Path
 
 
 class LoraAdapters:
@@ -31,17 +43,64 @@ class LoraAdapters:
         max_rank: int,
         kernel: LoraKernel | None = None,
     ) -> None:
-        """`kernel`: the C++ kernels, where the model runs on them (and they have `lora_add` for the dtype)."""
+        """`max_loras`: adapters resident at once; `kernel`: the C++ kernels, where the model runs
+        on them (and they have `lora_add` for the dtype)."""
         if kernel is not None and not kernel.lora_add_available.get(dtype, False):
             kernel = None
         self.config, self.dtype, self.device, self.kernel = config, dtype, device, kernel
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.by_name: dict[str, LoraWeights] = {}
-        self.paths: dict[str, Path] = {}
-        self.by_key: dict[str, LoraWeights] = {}
+        self.registered: dict[str, Registered] = {}
+        self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by key, least recently used first
+        self.num_loads = self.num_evictions = 0
         self._serial = itertools.count(1)
         self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
         self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
+
+    def load(self, name: str, path: str | Path) -> str:
+        """Register the PEFT adapter at `path` as `name` (read and checked whole now), resident
+        while there is room; its key."""
+        if not name or len(name) > 128 or not set(name) <= ADAPTER_NAME_CHARS:
+            raise ValueError(f"adapter name {name!r:.140} must be 1-128 letters, digits or - _ . : /")
+        if name in self.registered:
+            raise ValueError(f"an adapter named {name!r} is loaded already (unload it first)")
+        if len(self.registered) >= MAX_REGISTERED:
+            raise ValueError(f"{MAX_REGISTERED} adapters are registered, the most this engine keeps")
+        key = f"{name}#{next(self._serial)}"
+        weights = self._read(key, Path(path))
+        self.registered[name] = Registered(key, Path(path))
+        if len(self.resident) < self.max_loras:
+            self.resident[key] = weights
+        return key
+
+    def _read(self, key: str, path: Path) -> LoraWeights:
+        adapter = read_peft_adapter(path, self.config, self.max_rank)
+        outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
+        weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
+        self.num_loads += 1
+        return weights.pack(self.kernel.pack_panels) if self.kernel is not None else weights
+
+    def make_resident(self, key: str, busy: set[str]) -> bool:
+        """Whether adapter `key` is resident, made so where it was not: read from its file again,
+        in the place of the least recently used resident adapter outside `busy` (the keys running
+        requests use).  False: every slot is busy; the request waits.  A file that fails its
+        checks now raises (ModelFileError, OSError)."""
+        if key in self.resident:
+            self.resident.move_to_end(key)
+            return True
+        if len(self.resident) >= self.max_loras:
+            idle = next((k for k in self.resident if k not in busy), None)
+            if idle is None:
+                return False
+            self._evict(idle)
+        registered = next(r for r in self.registered.values() if r.key == key)
+        self.resident[key] = self._read(key, registered.path)
+        return True
+
+    def _evict(self, key: str) -> None:
+        del self.resident[key]
+        self.num_evictions += 1
+        self._stacks = {keys: s for keys, s in self._stacks.items() if key not in keys}
+        self._tables = {keys: t for keys, t in self._tables.items() if key not in keys}
 
     def table_of(self, adapters: list[LoraWeights]) -> KernelTable:
         """The adapters' KernelTable, kept for the next steps with the same set."""
@@ -63,49 +122,39 @@ class LoraAdapters:
             stack = self._stacks[keys] = LoraStack.build(adapters)
         return stack
 
-    def load(self, name: str, path: str | Path) -> str:
-        """Read, check and keep the PEFT adapter at `path` as `name`; its key."""
-        if not name or len(name) > 128 or not set(name) <= ADAPTER_NAME_CHARS:
-            raise ValueError(f"adapter name {name!r:.140} must be 1-128 letters, digits or - _ . : /")
-        if name in self.by_name:
-            raise ValueError(f"an adapter named {name!r} is loaded already (unload it first)")
-        if len(self.by_name) >= self.max_loras:
-            raise ValueError(f"{len(self.by_name)} adapters are loaded, the most max_loras={self.max_loras} allows")
-        adapter = read_peft_adapter(path, self.config, self.max_rank)
-        outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
-        key = f"{name}#{next(self._serial)}"
-        weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
-        if self.kernel is not None:
-            weights = weights.pack(self.kernel.pack_panels)
-        self.by_name[name], self.by_key[key], self.paths[name] = weights, weights, adapter.path
-        return key
-
     def unload(self, name: str) -> None:
-        weights = self.by_name.pop(name, None)
-        if weights is None:
+        registered = self.registered.pop(name, None)
+        if registered is None:
             raise KeyError(f"no adapter named {name!r} is loaded")
-        del self.by_key[weights.key], self.paths[name]
-        self._stacks = {keys: s for keys, s in self._stacks.items() if weights.key not in keys}
-        self._tables = {keys: t for keys, t in self._tables.items() if weights.key not in keys}
+        if registered.key in self.resident:
+            self._evict(registered.key)
+            self.num_evictions -= 1  # unloaded, not evicted
 
     def key_of(self, name: str) -> str:
-        weights = self.by_name.get(name)
-        if weights is None:
-            known = ", ".join(sorted(self.by_name)) or "none is loaded"
+        registered = self.registered.get(name)
+        if registered is None:
+            known = ", ".join(sorted(self.registered)[:20]) or "none is loaded"
             raise KeyError(f"no LoRA adapter named {name!r:.140} (loaded: {known})")
-        return weights.key
+        return registered.key
+
+    def name_of(self, key: str) -> str:
+        return key.rsplit("#", 1)[0]
 
     def describe(self) -> list[dict]:
-        """Each loaded adapter: its name, where it came from, its bytes."""
-        return [
-            {"name": name, "path": str(self.paths[name]), "bytes": w.nbytes} for name, w in sorted(self.by_name.items())
-        ]
+        """Each registered adapter: its name, where it came from, whether it is resident and its bytes there."""
+        rows = []
+        for name, r in sorted(self.registered.items()):
+            weights = self.resident.get(r.key)
+            rows.append({"name": name, "path": str(r.path), "resident": weights is not None,
+                         "bytes": weights.nbytes if weights is not None else 0})  # fmt: skip
+        return rows
 
     def for_step(self, chunks: Sequence[Chunk]) -> LoraStep | None:
-        """Each of the step's token rows with its chunk's adapter; None where no chunk has one."""
+        """Each of the step's token rows with its chunk's adapter (resident: the scheduler admitted
+        it so); None where no chunk has one."""
         if not any(c.adapter for c in chunks):
             return None
         rows: list[LoraWeights | None] = []
         for c in chunks:
-            rows += [self.by_key[c.adapter] if c.adapter else None] * c.num_new_tokens
+            rows += [self.resident[c.adapter] if c.adapter else None] * c.num_new_tokens
         return LoraStep.for_rows(rows, self.stack_of, self.device, self.kernel, self.table_of)
