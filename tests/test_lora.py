@@ -16,7 +16,12 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.errors import ModelFileError
 from pagedllm.testing.hf_reference import hf_greedy, save_random_llama
 
-peft = pytest.importorskip("peft")
+
+def import_peft():
+    """PEFT, imported when a test first needs it: importing it imports triton, which must not happen
+    while the test modules are collected (tests/test_triton_attention.py sets TRITON_INTERPRET first)."""
+    return pytest.importorskip("peft")
+
 
 ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
     "attn": (4, 8, ["q_proj", "v_proj"], False),
@@ -29,6 +34,7 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 def peft_adapter(base, rank: int, alpha: float, targets, std: float, seed: int, rslora: bool = False):
     """A PEFT LoRA model over a copy of `base` whose A and B are random (B drawn from N(0, std): PEFT's
     own random init leaves it small, and the update must change the tokens)."""
+    peft = import_peft()
     torch.manual_seed(seed)
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, init_lora_weights=False
