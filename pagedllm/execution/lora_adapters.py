@@ -51,7 +51,7 @@ class LoraAdapters:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.registered: dict[str, Registered] = {}
         self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by key, least recently used first
-        self.num_loads = self.num_evictions = 0
+        self.num_evictions = 0
         self._serial = itertools.count(1)
         self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
         self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
@@ -76,7 +76,6 @@ class LoraAdapters:
         adapter = read_peft_adapter(path, self.config, self.max_rank)
         outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
         weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
-        self.num_loads += 1
         return weights.pack(self.kernel.pack_panels) if self.kernel is not None else weights
 
     def make_resident(self, key: str, busy: set[str]) -> bool:

@@ -39,14 +39,6 @@ class LoraAdapter:
     scale: float
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
-    @property
-    def targets(self) -> list[str]:
-        return sorted({name for layer in self.layers for name in layer})
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * 4 + b.numel() * 4 for layer in self.layers for a, b in layer.values())
-
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of every projection an adapter may target."""
