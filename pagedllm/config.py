@@ -203,7 +203,8 @@ class EngineConfig:
     )
     lora_modules: tuple[str, ...] = setting(
         (),
-        "a LoRA adapter to load at start, NAME=PATH (a PEFT directory; repeatable); a request picks it by name "
+        "a LoRA adapter to load at start, NAME=PATH (a PEFT directory or GGUF adapter; repeatable); a request picks it "
+        "by name "
         "(docs/lora.md)",
         kind="list",
         flag="--lora",

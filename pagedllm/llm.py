@@ -64,7 +64,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt, in the prompts' order.  A prompt is text or a list of token ids.
         `lora`: a LoRA adapter for every prompt or one per prompt (None: the base model), each the
-        name of a loaded adapter or a PEFT directory, loaded under its path on first use."""
+        name of a loaded adapter or a PEFT directory or GGUF adapter, loaded under its path on first use."""
         prompts, params = prompts_and_params(prompts, params)
         if not prompts:
             return []
@@ -96,8 +96,8 @@ class LLM:
         return [results[i] for i in ids]
 
     def use_lora(self, name_or_path: str) -> None:
-        """Load the PEFT adapter directory `name_or_path` under its path, unless an adapter of
-        that name is loaded."""
+        """Load the adapter (PEFT directory or GGUF file) `name_or_path` under its path, unless an
+        adapter of that name is loaded."""
         if name_or_path not in {a["name"] for a in self.engine.lora_adapters()}:
             self.engine.load_lora(name_or_path, name_or_path)
 

@@ -1,7 +1,8 @@
 """LoRA adapters: PEFT directories made by PEFT itself on a tiny random llama give
 transformers+PEFT's greedy tokens and logits, alone and mixed in one batch with each other and the
 base model, through chunked prefill and prefix-cache hits; KV blocks never cross adapters; bad
-adapter files are refused by name; nothing is left held."""
+adapter files are refused by name; llama.cpp's GGUF form of an adapter gives its PEFT form's
+tokens; nothing is left held."""
 
 from __future__ import annotations
 
@@ -218,19 +219,24 @@ def test_a_hundred_adapters_registered_with_room_for_eight(tiny, tmp_path):
     assert_nothing_held(llm)
 
 
-def test_an_adapter_that_no_longer_loads_ends_its_requests(tiny, tmp_path):
+def test_an_adapter_removed_or_changed_on_disk_ends_its_requests(tiny, tmp_path):
     import shutil
 
     path, base, adapters = tiny
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_loras=1)
     shutil.copytree(adapters["attn"][0], tmp_path / "attn")
+    shutil.copytree(adapters["attn"][0], tmp_path / "changed")
     llm.engine.load_lora("attn", str(adapters["attn"][0]))
     llm.engine.load_lora("gone", str(tmp_path / "attn"))  # registered, not resident (one slot)
+    llm.engine.load_lora("changed", str(tmp_path / "changed"))
     shutil.rmtree(tmp_path / "attn")
-    outputs = llm.generate(prompts(3), greedy(4), lora=["attn", "gone", None])
+    shutil.rmtree(tmp_path / "changed")
+    shutil.copytree(adapters["mlp"][0], tmp_path / "changed")  # a valid adapter, other weights
+    outputs = llm.generate(prompts(4), greedy(4), lora=["attn", "gone", None, "changed"])
     assert outputs[1].finish_reason == "error" and "LoRA adapter 'gone' could not be loaded" in outputs[1].error
-    assert outputs[0].token_ids == hf_greedy(adapters["attn"][1], prompts(3)[0], 4)
-    assert outputs[2].token_ids == hf_greedy(base, prompts(3)[2], 4)
+    assert outputs[3].finish_reason == "error" and "changed on disk since the adapter was loaded" in outputs[3].error
+    assert outputs[0].token_ids == hf_greedy(adapters["attn"][1], prompts(4)[0], 4)
+    assert outputs[2].token_ids == hf_greedy(base, prompts(4)[2], 4)
     assert_nothing_held(llm)
 
 
@@ -288,6 +294,96 @@ def test_bad_adapter_tensors_are_refused_by_name(tiny, tmp_path):
             llm.engine.load_lora(case, str(bad))
     with pytest.raises(ModelFileError, match="no adapter_config.json"):
         llm.engine.load_lora("empty", str(tmp_path))
+
+
+def test_gguf_adapters_give_the_peft_adapters_tokens_over_a_gguf_base(tiny, tmp_path):
+    """Each adapter written as llama.cpp's converter writes it (q/k rows interleaved, rsLoRA's scale
+    as an alpha), all four and the base in one batch over the base's own GGUF form."""
+    from pagedllm.models.loader import read_model_config
+    from pagedllm.testing.gguf_export import write_gguf
+    from pagedllm.testing.lora import write_gguf_adapter
+
+    path, base, adapters = tiny
+    config = read_model_config(path)
+    files = {name: write_gguf_adapter(d, tmp_path / f"{name}.gguf", config) for name, (d, _) in adapters.items()}
+    llm = LLM(
+        str(write_gguf(path, tmp_path / "base.gguf")),
+        dtype="float32",
+        block_size=8,
+        kv_cache_memory="16MiB",
+        lora_modules=[f"{name}={file}" for name, file in files.items()],
+    )
+    names = [*adapters, None]
+    batch = prompts(5, seed=3)
+    for prompt, name, output in zip(batch, names, llm.generate(batch, greedy(10), lora=names)):
+        assert output.token_ids == hf_greedy(base if name is None else adapters[name][1], prompt, 10), name
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("tensor_type, tolerance", [("F16", 1e-3), ("Q8_0", 1e-2)])
+def test_gguf_adapter_tensor_types_read_as_the_peft_values(tiny, tmp_path, tensor_type, tolerance):
+    from pagedllm.models.loader import read_model_config
+    from pagedllm.models.lora_files import read_adapter
+    from pagedllm.testing.lora import write_gguf_adapter
+
+    path, _, adapters = tiny
+    config = read_model_config(path)
+    directory = adapters["all"][0]
+    peft_form = read_adapter(directory, config, 64)
+    gguf_form = read_adapter(write_gguf_adapter(directory, tmp_path / "a.gguf", config, tensor_type), config, 64)
+    assert gguf_form.rank == peft_form.rank and gguf_form.scale == pytest.approx(peft_form.scale)
+    for ours, theirs in zip(gguf_form.layers, peft_form.layers):
+        assert ours.keys() == theirs.keys()
+        for module, (a, b) in ours.items():
+            torch.testing.assert_close(a, theirs[module][0], atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(b, theirs[module][1], atol=tolerance * 4, rtol=tolerance)
+
+
+def write_adapter_gguf(path, tensors: dict, arch: str = "llama", kind: str = "adapter", alpha: float = 8.0):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_string("general.type", kind)
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for name, array in tensors.items():  # an array, or (quantized bytes, their type)
+        data, raw_dtype = array if isinstance(array, tuple) else (array, None)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_gguf_adapters_are_refused_by_name(tiny, tmp_path):
+    import gguf
+    import numpy as np
+
+    path, _, _ = tiny
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    a, b = np.zeros((4, 64), np.float32), np.zeros((64, 4), np.float32)
+    good = {"blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b}
+    q4 = (gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_0), gguf.GGMLQuantizationType.Q4_0)
+    cases = {
+        "model": (good, {"kind": "model"}, "a GGUF LoRA adapter says 'adapter'"),
+        "arch": (good, {"arch": "qwen2"}, "'qwen2' is not the base model's architecture"),
+        "embed": ({**good, "token_embd.weight.lora_a": a}, {}, "embedding or LM head adapter"),
+        "norm": ({**good, "blk.0.attn_norm.weight.lora_a": a}, {}, "only q/k/v/o/gate/up/down"),
+        "half": ({"blk.0.attn_q.weight.lora_a": a}, {}, "has no lora_b"),
+        "ranks": ({**good, "blk.1.attn_v.weight.lora_a": np.zeros((2, 64), np.float32)}, {}, "one rank"),
+        "layer": ({**good, "blk.7.attn_q.weight.lora_a": a}, {}, "names layer 7; the model has 3"),
+        "nan": ({**good, "blk.0.attn_q.weight.lora_b": np.full((64, 4), np.nan, np.float32)}, {}, "NaN"),
+        "type": ({**good, "blk.0.attn_q.weight.lora_a": q4}, {}, "is Q4_0; adapter tensors are read in"),
+    }
+    for case, (tensors, settings, message) in cases.items():
+        file = write_adapter_gguf(tmp_path / f"{case}.gguf", tensors, **settings)
+        with pytest.raises(ModelFileError, match=message):
+            llm.engine.load_lora(case, str(file))
+    (tmp_path / "junk.bin").write_bytes(b"not a model" * 10)
+    with pytest.raises(ModelFileError, match="neither a directory nor a GGUF file"):
+        llm.engine.load_lora("junk", str(tmp_path / "junk.bin"))
+    assert llm.engine.lora_adapters() == []
 
 
 def test_combinations_without_adapter_support_are_refused(tiny):

@@ -29,7 +29,7 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(adapters):
-    with serve_subprocess(*ARGS, "--lora", f"a={adapters['a']}", "--allow-runtime-lora") as server:
+    with serve_subprocess(*ARGS, "--lora", f"a={adapters['a']}", "--allow-runtime-lora", "--kv-events") as server:
         yield server
 
 
@@ -74,9 +74,27 @@ def test_a_request_picks_its_adapter_by_model(server, expected, adapters):
     bad = httpx.post(
         server.v1 + "/load_lora_adapter", json={"lora_name": "c", "lora_path": "/nonexistent"}, headers=server.headers()
     )
-    assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "neither a directory nor a GGUF file" in bad.json()["error"]["message"]
     unload = httpx.post(server.v1 + "/unload_lora_adapter", json={"lora_name": "b"}, headers=server.headers())
     assert unload.status_code == 200
     with pytest.raises(openai.NotFoundError):
         reply("b")
     server.wait_until(lambda s: s["running"] == 0 and s["waiting"] == 0 and s["kv"]["used_blocks"] == 0)
+
+
+def test_kv_events_carry_the_adapter_key_the_router_salts_by(server):
+    """A replica's /kv_events names each adapter's key, and the blocks a request under the adapter
+    stores are the keys the data-parallel router computes for its prompt under that key."""
+    from pagedllm.core.kv_cache_manager import adapter_salt, prompt_block_keys, root_key
+
+    httpx.get(server.url + "/kv_events", headers=server.headers())  # drain what earlier tests stored
+    prompt = list(range(1000, 1100))
+    body = {"model": "a", "prompt": prompt, "max_tokens": 1}
+    assert httpx.post(server.v1 + "/completions", json=body, headers=server.headers(), timeout=120).status_code == 200
+    events = httpx.get(server.url + "/kv_events", headers=server.headers()).json()
+    key = events["adapters"]["a"]
+    assert key.startswith("a#")
+    stored = {bytes.fromhex(k) for s, k in events["events"] if s}
+    under_a = prompt_block_keys(prompt, events["block_size"], root_key(b"", adapter_salt(key)))
+    assert under_a and set(under_a) <= stored
+    assert not set(prompt_block_keys(prompt, events["block_size"], root_key())) & stored  # not the base model's

@@ -37,6 +37,32 @@ def test_totals_add_counts_not_rates_and_metrics_carry_the_replica():
     assert labelled("y 3", 0) == 'y{replica="0"} 3' and labelled("# HELP y", 0) == "# HELP y"
 
 
+def test_a_request_under_an_adapter_is_placed_by_its_adapters_blocks():
+    """Replica 0 holds a prompt's blocks computed under adapter `a`, replica 1 the same prompt's
+    on the base model: the front-end sends each request where its own blocks are."""
+    import asyncio
+    import json
+
+    from pagedllm.core.kv_cache_manager import adapter_salt, prompt_block_keys, root_key
+    from pagedllm.replicas.frontend import Frontend
+    from pagedllm.replicas.router import Router
+
+    router = Router(2, 16, "prefix")
+    prompt = list(range(200, 300))
+    router.apply_events(0, [(True, k) for k in prompt_block_keys(prompt, 16, root_key(b"", adapter_salt("a#0f")))])
+    router.apply_events(1, [(True, k) for k in prompt_block_keys(prompt, 16, root_key())])
+    frontend = Frontend(None, router, None, None, 0.2, None)
+    frontend.state.adapter_keys["a"] = "a#0f"
+
+    def placed(model: str) -> int:
+        raw = json.dumps({"model": model, "prompt": prompt}).encode()
+        placement = asyncio.run(frontend.place("/v1/completions", raw, ()))
+        router.finished(placement)
+        return placement.replica
+
+    assert placed("a") == 0 and placed(MODEL) == 1 and placed("a") == 0
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
     return ray_cluster

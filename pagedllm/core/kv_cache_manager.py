@@ -44,6 +44,12 @@ def root_key(cache_salt: bytes = b"", request_salt: bytes = b"") -> bytes:
     return root if not request_salt else hashlib.sha256(root + request_salt).digest()
 
 
+def adapter_salt(adapter_key: str) -> bytes:
+    """A request salt for KV computed under a LoRA adapter: its blocks never serve the base model or
+    another adapter.  The scheduler and the data-parallel router both salt with it."""
+    return b"lora:" + adapter_key.encode()
+
+
 def prompt_block_keys(token_ids: list[int], block_size: int, root: bytes) -> list[bytes]:
     """The keys of the leading full blocks a prefix-cache lookup can hit for this prompt (its last
     token is always computed, so a block that ends with it is not among them)."""

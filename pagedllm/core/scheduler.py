@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache import KVCache
+from pagedllm.core.kv_cache_manager import adapter_salt
 from pagedllm.core.request import FinishReason, Request, RequestStatus
 from pagedllm.core.speculation import Speculation
 
@@ -147,7 +148,7 @@ class Scheduler:
     def _salt(self, request: Request) -> bytes:
         # A request's KV depends on its adapter: blocks computed under one never serve another.
         salt = b"" if self.prompt_salt is None else self.prompt_salt(request.num_prompt_tokens)
-        return salt if request.adapter is None else salt + b"lora:" + request.adapter.encode()
+        return salt if request.adapter is None else salt + adapter_salt(request.adapter)
 
     @property
     def num_unfinished(self) -> int:

@@ -310,8 +310,9 @@ class LLMEngine:
     # --- LoRA adapters (execution/lora_adapters.py) -------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
-        """Register the PEFT LoRA adapter at `path` as `name` (checked whole now, resident while
-        `max_loras` allows, else read again when a request needs it); requests pick it by name."""
+        """Register the LoRA adapter (PEFT directory or GGUF file) at `path` as `name` (checked whole
+        now, resident while `max_loras` allows, else read again when a request needs it); requests
+        pick it by name."""
         if self.lora_refusal:
             raise ValueError(f"LoRA adapters cannot run here: {self.lora_refusal}")
         self.adapters.load(name, path)

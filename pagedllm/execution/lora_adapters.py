@@ -3,24 +3,26 @@ up to `max_loras` of them, resident (its weights in memory).  A request's adapte
 when the scheduler admits it (`make_resident`), evicting the least recently used adapter that no
 running request uses; with none to evict the request waits, as it waits for KV blocks.
 
-Every registration gets a key of its own (`NAME#N`), which requests carry: an adapter unloaded and
-registered again under the same name from another file is another key, so the prefix cache
-(salted by the key) never hands one adapter's KV blocks to the other."""
+Every registration gets a key, `NAME#DIGEST` (the digest of the adapter's files), which requests
+carry: an adapter registered again under the same name from other contents is another key, so the
+prefix cache (salted by the key) never hands one adapter's KV blocks to the other, while replicas
+that loaded the same file under the same name agree on the key (the data-parallel router places
+by it).  A file read again for residency must still have its digest."""
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from pagedllm.core.step_message import Chunk
+from pagedllm.errors import ModelFileError
 from pagedllm.layers.lora import KernelTable, LoraKernel, LoraStack, LoraStep, LoraWeights
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.lora_files import projection_shapes, read_peft_adapter
+from pagedllm.models.lora_files import adapter_digest, projection_shapes, read_adapter
 
 MAX_STACKS = 4  # stacked sets kept: a steady decode batch reuses its one
 MAX_REGISTERED = 4096  # adapters registered at once (each a path and a key; only max_loras resident)
@@ -52,12 +54,11 @@ class LoraAdapters:
         self.registered: dict[str, Registered] = {}
         self.resident: OrderedDict[str, LoraWeights] = OrderedDict()  # by key, least recently used first
         self.num_evictions = 0
-        self._serial = itertools.count(1)
         self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
         self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
 
     def load(self, name: str, path: str | Path) -> str:
-        """Register the PEFT adapter at `path` as `name` (read and checked whole now), resident
+        """Register the adapter at `path` (PEFT directory or GGUF file) as `name` (read and checked whole now), resident
         while there is room; its key."""
         if not name or len(name) > 128 or not set(name) <= ADAPTER_NAME_CHARS:
             raise ValueError(f"adapter name {name!r:.140} must be 1-128 letters, digits or - _ . : /")
@@ -65,15 +66,17 @@ class LoraAdapters:
             raise ValueError(f"an adapter named {name!r} is loaded already (unload it first)")
         if len(self.registered) >= MAX_REGISTERED:
             raise ValueError(f"{MAX_REGISTERED} adapters are registered, the most this engine keeps")
-        key = f"{name}#{next(self._serial)}"
-        weights = self._read(key, Path(path))
-        self.registered[name] = Registered(key, Path(path))
+        path = Path(path)
+        weights = self._read(name, path)  # checked (regular files, sane sizes) before the digest reads them
+        key = f"{name}#{adapter_digest(path)}"
+        weights = replace(weights, key=key)
+        self.registered[name] = Registered(key, path)
         if len(self.resident) < self.max_loras:
             self.resident[key] = weights
         return key
 
     def _read(self, key: str, path: Path) -> LoraWeights:
-        adapter = read_peft_adapter(path, self.config, self.max_rank)
+        adapter = read_adapter(path, self.config, self.max_rank)
         outs = {name: shape[0] for name, shape in projection_shapes(self.config).items()}
         weights = LoraWeights.build(key, adapter.layers, outs, self.dtype, self.device)
         return weights.pack(self.kernel.pack_panels) if self.kernel is not None else weights
@@ -92,7 +95,10 @@ class LoraAdapters:
                 return False
             self._evict(idle)
         registered = next(r for r in self.registered.values() if r.key == key)
-        self.resident[key] = self._read(key, registered.path)
+        weights = self._read(key, registered.path)
+        if f"{self.name_of(key)}#{adapter_digest(registered.path)}" != key:
+            raise ModelFileError(registered.path, None, "changed on disk since the adapter was loaded; load it again")
+        self.resident[key] = weights
         return True
 
     def _evict(self, key: str) -> None:
@@ -140,11 +146,12 @@ class LoraAdapters:
         return key.rsplit("#", 1)[0]
 
     def describe(self) -> list[dict]:
-        """Each registered adapter: its name, where it came from, whether it is resident and its bytes there."""
+        """Each registered adapter: its name, key, where it came from, whether it is resident and its
+        bytes there."""
         rows = []
         for name, r in sorted(self.registered.items()):
             weights = self.resident.get(r.key)
-            rows.append({"name": name, "path": str(r.path), "resident": weights is not None,
+            rows.append({"name": name, "key": r.key, "path": str(r.path), "resident": weights is not None,
                          "bytes": weights.nbytes if weights is not None else 0})  # fmt: skip
         return rows
 

@@ -30,7 +30,7 @@ class LoraWeights:
     """One resident adapter: per layer, per fused projection, (A [r', in], B [out, r']) in the
     model's dtype with the scale folded into B; a projection it leaves alone is absent."""
 
-    key: str  # unique among every adapter the engine ever loaded (the prefix cache's salt)
+    key: str  # NAME#DIGEST of its files (the prefix cache's salt)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     # The same, packed for the C++ kernel (`pack` below): per layer, per projection, (A, B, rank).
     packed: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = field(default_factory=list)

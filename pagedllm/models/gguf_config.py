@@ -82,6 +82,12 @@ def field(reader, key: str, default=None):
     return default if value is None else value
 
 
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved per rotary pair; restore Hugging Face's half-split order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 def hf_tensor_name(gguf_name: str, arch: str, path: Path) -> str:
     """The Hugging Face name of a GGUF tensor, or an error naming the tensor."""
     prefix, _, rest = gguf_name.partition(".")

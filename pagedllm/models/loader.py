@@ -20,7 +20,14 @@ from pagedllm.errors import ModelFileError
 from pagedllm.layers.quantized import QuantizedWeight
 from pagedllm.models.checkpoint_dir import check_hf_dir
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.gguf_config import PERMUTED_QK, ROPE_TENSORS, check_gguf, field, hf_tensor_name
+from pagedllm.models.gguf_config import (
+    PERMUTED_QK,
+    ROPE_TENSORS,
+    check_gguf,
+    field,
+    hf_tensor_name,
+    unpermute_rope_rows,
+)
 from pagedllm.models.gguf_file import GGUFFile, open_regular_file
 from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
 
@@ -213,12 +220,6 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 # --- GGUF ------------------------------------------------------------------------------
 
 
-def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows interleaved per rotary pair; restore the HF half-split order."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str, Weight]]:
     import gguf
 
@@ -237,13 +238,13 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str,
         if keep_quantized and type_name in NATIVE_TYPES and len(shape) == 2:
             weight = repack(tensor.data, type_name, *shape)
             if heads is not None:
-                weight = weight.select_rows(torch.from_numpy(_unpermute_rope(np.arange(shape[0]), heads)))
+                weight = weight.select_rows(torch.from_numpy(unpermute_rope_rows(np.arange(shape[0]), heads)))
             weights[name] = weight
             continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(shape)
         if heads is not None:
-            array = _unpermute_rope(array, heads)
+            array = unpermute_rope_rows(array, heads)
         if config.architecture == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
             array = array - 1.0
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy

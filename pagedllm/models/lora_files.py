@@ -1,6 +1,7 @@
-"""LoRA adapters from PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), read
-as untrusted input: every setting the engine does not run is refused by name, every tensor's name,
-shape and values are checked against the base model before anything is used.
+"""LoRA adapters from PEFT directories (`adapter_config.json` + `adapter_model.safetensors`) or,
+through pagedllm/models/lora_gguf.py, llama.cpp's GGUF adapters, read as untrusted input: every
+setting the engine does not run is refused by name, every tensor's name, shape and values are
+checked against the base model before anything is used.
 
 An adapter adds `scale * B @ A` to a projection's weight, where A is [rank, in] and B [out, rank];
 `scale` is lora_alpha / rank, or lora_alpha / sqrt(rank) with rsLoRA.  The engine never merges it:
@@ -9,6 +10,7 @@ requests that name the adapter (pagedllm/layers/lora.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -56,12 +58,38 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def adapter_digest(path: str | Path) -> str:
+    """A digest of the adapter's files (a PEFT directory's config and weights, or a GGUF file): two
+    files with one digest hold one adapter, so KV computed under one serves the other."""
+    path = Path(path)
+    files = [path / "adapter_config.json", path / "adapter_model.safetensors"] if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """The adapter at `path`: a PEFT directory, or a GGUF file as llama.cpp's converter writes it
+    (pagedllm/models/lora_gguf.py)."""
+    path = Path(path)
+    if not path.is_dir():
+        from pagedllm.models.lora_gguf import is_gguf_file, read_gguf_adapter
+
+        if is_gguf_file(path):
+            return read_gguf_adapter(path, config, max_rank)
+    return read_peft_adapter(path, config, max_rank)
+
+
 def read_peft_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """The PEFT LoRA adapter in directory `path`, checked against `config`; a ModelFileError names
     what is wrong or not supported."""
     path = Path(path)
     if not path.is_dir():
-        raise ModelFileError(path, None, "is not a directory (a LoRA adapter is a PEFT directory)")
+        problem = "is neither a directory nor a GGUF file (a LoRA adapter is a PEFT directory or a GGUF adapter)"
+        raise ModelFileError(path, None, problem)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for needed in (config_file, weights_file):
         if not needed.is_file():

@@ -17,6 +17,10 @@ Faults:
   interval, and taken back (empty cache) as soon as it answers again, at the address
   `resolve` gives for it then (a restarted replica may listen elsewhere).
 
+A request whose `model` names a LoRA adapter is placed by its blocks' keys under that adapter
+(the replicas report each adapter's key with their events; replicas that loaded the same file
+under the same name agree on it), so requests for one adapter and prefix land together.
+
 The front-end checks the client's API key itself (when it has one) and calls every replica with
 the replicas' own key (`replica_key`), which no client is given.
 
@@ -40,6 +44,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from pagedllm.core.kv_cache_manager import adapter_salt
 from pagedllm.replicas.router import NoReplicaError, Placement, Router
 from pagedllm.serving.handlers import check_api_key
 from pagedllm.serving.openai_protocol import APIError
@@ -64,6 +69,7 @@ class FrontendState:
     num_marked_down: int = 0  # times a replica was found down
     num_failed_mid_stream: int = 0
     route_seconds: float = 0.0  # time spent tokenizing and placing, over all requests
+    adapter_keys: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> key, from the replicas
 
 
 # Routing reads a text prompt's first characters only: the leading blocks are what it matches.
@@ -148,7 +154,9 @@ class Frontend:
                 state.addresses[i] = await asyncio.wait_for(self.resolve(i), timeout=wait)
             reply = await self.client.get(f"{state.addresses[i]}/kv_events", headers=self.headers, timeout=5.0)
             reply.raise_for_status()
-            events = [(bool(s), bytes.fromhex(k)) for s, k in reply.json()["events"]]
+            body = reply.json()
+            events = [(bool(s), bytes.fromhex(k)) for s, k in body["events"]]
+            self.state.adapter_keys.update({str(k): str(v) for k, v in body.get("adapters", {}).items()})
         except Exception as error:  # noqa: BLE001 - any failure to answer is a replica down
             if router.replicas[i].live:
                 logger.warning("replica %d is down (%s)", i, error)
@@ -188,11 +196,15 @@ class Frontend:
     async def place(self, path: str, raw: bytes, exclude: tuple[int, ...]) -> Placement:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        salt = b""
         try:
-            ids = await loop.run_in_executor(self.tokenizing, self.routing_ids, path, json.loads(raw))
+            body = json.loads(raw)
+            ids = await loop.run_in_executor(self.tokenizing, self.routing_ids, path, body)
+            key = self.state.adapter_keys.get(body.get("model")) if isinstance(body.get("model"), str) else None
+            salt = adapter_salt(key) if key else b""
         except Exception:  # noqa: BLE001 - a body the replica will refuse: placed by load alone
             ids = []
-        placement = self.router.route(ids, exclude=exclude)
+        placement = self.router.route(ids, salt, exclude=exclude)
         self.state.route_seconds += time.perf_counter() - start
         return placement
 

@@ -223,7 +223,7 @@ class Handlers:
         return {"object": "list", "data": [{**card, **extensions}, *cards]}
 
     async def load_lora_adapter(self, request: Request) -> dict:
-        """`{"lora_name": NAME, "lora_path": PATH}`: load a PEFT adapter from the server's disk."""
+        """`{"lora_name": NAME, "lora_path": PATH}`: load a PEFT or GGUF adapter from the server's disk."""
         self.check_key(request)
         body = parse_json(await request.body())
         name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
@@ -298,12 +298,18 @@ class Handlers:
 
     async def kv_events(self, request: Request) -> dict:
         """The block keys the prefix cache stored and evicted since the last call, oldest first, as
-        [1 stored / 0 evicted, key in hex]; behind the API key (keys are hashes of prompts)."""
+        [1 stored / 0 evicted, key in hex], and each loaded LoRA adapter's key (the router salts a
+        request's blocks by it); behind the API key (keys are hashes of prompts)."""
         self.check_key(request)
 
         def drain(engine: Any) -> dict:
             events = engine.drain_kv_events()
-            return {"block_size": engine.info.block_size, "events": [[int(s), k.hex()] for s, k in events]}
+            adapters = {a["name"]: a["key"] for a in engine.lora_adapters()}
+            return {
+                "block_size": engine.info.block_size,
+                "events": [[int(s), k.hex()] for s, k in events],
+                "adapters": adapters,
+            }
 
         return await self.engine_call(drain)
 

@@ -18,7 +18,7 @@ from pagedllm.models.gguf_config import GEMMA3_LAYER_NAMES, GGUF_ARCHITECTURES, 
 from pagedllm.models.hf_config import config_from_hf_dict
 
 
-def _interleave_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def interleave_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Hugging Face's half-split q/k rows as llama.cpp's converter stores them (pairs interleaved)."""
     rows = weight.shape[0]
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
@@ -157,7 +157,7 @@ def write_gguf(checkpoint: Path, out: Path, tokenizer_pre: str | None = None) ->
                 raise ValueError(f"no GGUF name for {name}")
             if arch in PERMUTED_QK and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = config.num_heads if stem == "self_attn.q_proj" else config.num_kv_heads
-                array = _interleave_rope(array, heads)
+                array = interleave_rope(array, heads)
             if config.architecture == "gemma3" and stem.endswith("norm"):  # llama.cpp stores 1 + w
                 array = array + 1.0
             gguf_name = f"blk.{index}.{names[stem]}.{suffix}"
