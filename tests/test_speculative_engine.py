@@ -46,10 +46,21 @@ def tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+_plain_runs: dict[str, list] = {}
+
+
+def plain_run(plain: LLM, chats, params, key: str) -> list:
+    """The drafting-free engine's outputs, run once for the module: each method's test compares
+    against the same ones (`make_llm` hands every test the one shared plain engine)."""
+    if key not in _plain_runs:
+        _plain_runs[key] = plain.chat(chats, params)
+    return _plain_runs[key]
+
+
 def test_greedy_tokens_equal_decoding_one_at_a_time(make_llm, method):
     plain, spec = make_llm(), make_llm(speculative=method, kv_cache_memory=SPEC_KV)
     params = SamplingParams(temperature=0, max_tokens=80)
-    expected = tokens(plain.chat(CHATS, params))
+    expected = tokens(plain_run(plain, CHATS, params, "greedy-80"))
     assert tokens(spec.chat(CHATS, params)) == expected  # batched
     assert tokens(spec.chat(CHATS[:1], params)) == expected[:1]  # alone
     stats = spec.engine.speculation.stats
@@ -140,7 +151,7 @@ def test_greedy_tokens_equal_in_bfloat16_batches():
 
 def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, method):
     plain, spec = make_llm(), make_llm(speculative=method, kv_cache_memory=SPEC_KV)
-    reference = plain.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
+    reference = plain_run(plain, CHATS[0], SamplingParams(temperature=0, max_tokens=60), "reference")[0].outputs[0]
     middle = len(reference.text) // 2
     stop_word = reference.text[middle : middle + 5]
     cases = [
@@ -149,8 +160,8 @@ def test_stops_logprobs_and_max_tokens_cut_where_one_at_a_time_does(make_llm, me
         SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[reference.token_ids[30]]),
         SamplingParams(temperature=0, max_tokens=40, logprobs=3),
     ]
-    for params in cases:
-        want = plain.chat(CHATS[0], params)[0].outputs[0]
+    for i, params in enumerate(cases):
+        want = plain_run(plain, CHATS[0], params, f"case-{i}")[0].outputs[0]
         got = spec.chat(CHATS[0], params)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
         if params.logprobs:
