@@ -216,6 +216,10 @@ def test_a_hundred_adapters_registered_with_room_for_eight(tiny, tmp_path):
     assert len({tuple(o.token_ids) for o in outputs}) > 50  # the adapters differ
     assert llm.engine.adapters.num_evictions >= 92
     assert sum(a["resident"] for a in llm.engine.lora_adapters()) == 8
+    lora = llm.engine.state()["lora"]  # what /stats, /metrics and the dashboard show
+    assert (lora["registered"], lora["resident"], lora["evictions"]) == (100, 8, llm.engine.adapters.num_evictions)
+    assert lora["resident_bytes"] == sum(w.nbytes for w in llm.engine.adapters.resident.values()) > 0
+    assert lora["resident_kv_blocks"] == -(-lora["resident_bytes"] // llm.engine.kv_block_bytes)
     assert_nothing_held(llm)
 
 

@@ -66,6 +66,9 @@ def engine_state(engine: LLMEngine) -> dict:
             if engine.speculation is not None
             else None
         ),
+        # LoRA adapters (execution/lora_adapters.py), their memory also in KV blocks' worth; None
+        # where this engine cannot run adapters.
+        "lora": lora_state(engine),
         # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
         "weights": engine.weights,
         "weights_summary": engine.weights_summary,
@@ -73,6 +76,13 @@ def engine_state(engine: LLMEngine) -> dict:
         "rank_memory": [dataclasses.asdict(m) for m in engine.rank_memory],
         "step_message_bytes": engine.runner.step_message_bytes,
     }
+
+
+def lora_state(engine: LLMEngine) -> dict | None:
+    if engine.lora_refusal:
+        return None
+    summary = engine.adapters.summary()
+    return summary | {"resident_kv_blocks": -(-summary["resident_bytes"] // engine.kv_block_bytes)}
 
 
 def kv_picture(engine: LLMEngine) -> dict:

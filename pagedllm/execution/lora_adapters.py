@@ -145,6 +145,16 @@ class LoraAdapters:
     def name_of(self, key: str) -> str:
         return key.rsplit("#", 1)[0]
 
+    def summary(self) -> dict:
+        """How many adapters are registered and resident, their resident bytes, and evictions."""
+        return {
+            "registered": len(self.registered),
+            "resident": len(self.resident),
+            "max_loras": self.max_loras,
+            "resident_bytes": sum(w.nbytes for w in self.resident.values()),
+            "evictions": self.num_evictions,
+        }
+
     def describe(self) -> list[dict]:
         """Each registered adapter: its name, key, where it came from, whether it is resident and its
         bytes there."""

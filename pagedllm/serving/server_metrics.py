@@ -75,6 +75,16 @@ class ServerMetrics:
         self.draft_tokens_per_step = Gauge(
             "pagedllm_spec_draft_tokens_per_step", "Speculative decoding: draft tokens per decoding step", registry=r
         )
+        self.lora_registered = Gauge("pagedllm_lora_adapters_registered", "LoRA adapters registered", registry=r)
+        self.lora_resident = Gauge("pagedllm_lora_adapters_resident", "LoRA adapters resident in memory", registry=r)
+        self.lora_bytes = Gauge("pagedllm_lora_resident_bytes", "Bytes the resident LoRA adapters hold", registry=r)
+        self.lora_kv_blocks = Gauge(
+            "pagedllm_lora_resident_kv_blocks", "The resident LoRA adapters' bytes, in KV blocks' worth", registry=r
+        )
+        self.lora_evictions = Counter(
+            "pagedllm_lora_evictions", "LoRA adapters evicted to make room for another", registry=r
+        )
+        self._lora_evictions_seen = 0
         self._progress: dict[str, _Progress] = {}
         self._preemptions_seen = 0
         self._drafts_seen = (0, 0)  # draft tokens, accepted tokens
@@ -121,6 +131,14 @@ class ServerMetrics:
         self.prefix_hit_rate.set(state["prefix_cache_hit_rate"])
         self.preemptions.inc(state["preemptions"] - self._preemptions_seen)
         self._preemptions_seen = state["preemptions"]
+        lora = state["lora"]
+        if lora is not None:
+            self.lora_registered.set(lora["registered"])
+            self.lora_resident.set(lora["resident"])
+            self.lora_bytes.set(lora["resident_bytes"])
+            self.lora_kv_blocks.set(lora["resident_kv_blocks"])
+            self.lora_evictions.inc(lora["evictions"] - self._lora_evictions_seen)
+            self._lora_evictions_seen = lora["evictions"]
         spec = state["speculation"]
         if spec is not None:
             self.draft_tokens.inc(spec["draft_tokens"] - self._drafts_seen[0])
