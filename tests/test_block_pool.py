@@ -134,3 +134,20 @@ def test_reset_prefix_cache_forgets_contents_only_when_nothing_is_held():
     kv.pool.reset_prefix_cache()
     assert kv.find_cached_prefix([1, 2, 3, 4, 5]) == [] and kv.pool.num_cached_blocks == 0
     assert kv.num_free_blocks == 4
+
+
+def test_a_run_of_pages_is_consecutive_evicts_cached_content_and_goes_back_whole():
+    pool = BlockPool(10)
+    pool.record_events = True
+    held = pool.allocate(3)  # 0, 1, 2
+    pool.cache_block(held[2], b"k2")
+    pool.free_blocks([held[2]])  # 2: free, cached
+    first = pool.allocate_run(7)  # only 3..9 is free in one run of 7
+    assert first == 3 and pool.num_page_blocks == 7 and pool.num_free_blocks == 1
+    assert pool.allocate_run(2) is None  # block 2 alone is free
+    pool.free_run(first)
+    assert pool.num_page_blocks == 0 and pool.num_free_blocks == 8
+    run = pool.allocate_run(8)  # 2..9 now, block 2's cached content evicted
+    assert run == 2 and pool.lookup(b"k2") is None and (False, b"k2") in pool.drain_events()
+    with pytest.raises(ValueError, match="does not start a run"):
+        pool.free_run(0)

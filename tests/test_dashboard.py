@@ -53,7 +53,7 @@ def fits_on_screen(page) -> bool:
 
 def legend_counts(page) -> dict[str, int]:
     return page.evaluate(
-        """() => Object.fromEntries(['free', 'used', 'shared', 'cached'].map(
+        """() => Object.fromEntries(['free', 'used', 'shared', 'cached', 'adapter'].map(
             k => [k, Number(document.getElementById('count-' + k).textContent)]))"""
     )
 
@@ -146,19 +146,20 @@ def test_a_large_cache_is_drawn_in_aggregated_cells_on_one_screen():
             "Number(document.getElementById('count-shared').textContent) > 0",
             timeout=120_000,
         )
-        # The colours add up to the legend: each mixed cell carries its counts (used, shared, cached, free).
+        # The colours add up to the legend: each mixed cell carries its counts (adapter pages, used,
+        # shared, cached, free).
         drawn = page.evaluate(
             """() => {
-                const sums = [0, 0, 0, 0];
+                const sums = [0, 0, 0, 0, 0];
                 for (const cell of document.querySelectorAll('#grid .block')) {
-                    const counts = (cell.dataset.counts || '0,0,0,6').split(',').map(Number);
+                    const counts = (cell.dataset.counts || '0,0,0,0,6').split(',').map(Number);
                     counts.forEach((c, i) => sums[i] += c);
                 }
                 return sums;
             }"""
         )
         legend = legend_counts(page)
-        assert drawn == [legend["used"], legend["shared"], legend["cached"], legend["free"]]
+        assert drawn == [legend["adapter"], legend["used"], legend["shared"], legend["cached"], legend["free"]]
         assert sum(legend.values()) == num_blocks
         assert "(" in page.inner_text("#summary")  # the held share in percent
         assert fits_on_screen(page)

@@ -86,6 +86,22 @@ def test_the_prefix_cache_capabilities_answer_on_every_layout(kv: KVCache):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_the_pages_capability_answers_on_every_layout(kv: KVCache):
+    if not kv.supports_pages:
+        assert kv.allocate_pages(4) is None and kv.num_page_blocks == 0
+        return
+    first = kv.allocate_pages(4)
+    assert first is not None and kv.num_page_blocks == 4
+    # Pages are neither free nor held by requests; the dashboard draws them as "a".
+    assert kv.num_free_blocks == kv.num_blocks - 4 and kv.num_used_blocks == 0
+    assert kv.block_states()[first : first + 4] == "aaaa"
+    assert kv.allocate_slots("a", 8 * BS, 8 * BS) is not None
+    assert first not in kv.block_table("a")
+    kv.free("a")
+    kv.free_pages(first)
+    assert kv.num_page_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+
+
 def test_events_are_recorded_only_when_the_cache_is_made_to():
     quiet = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     quiet.allocate_slots("a", 8)

@@ -219,7 +219,31 @@ def test_a_hundred_adapters_registered_with_room_for_eight(tiny, tmp_path):
     lora = llm.engine.state()["lora"]  # what /stats, /metrics and the dashboard show
     assert (lora["registered"], lora["resident"], lora["evictions"]) == (100, 8, llm.engine.adapters.num_evictions)
     assert lora["resident_bytes"] == sum(w.nbytes for w in llm.engine.adapters.resident.values()) > 0
-    assert lora["resident_kv_blocks"] == -(-lora["resident_bytes"] // llm.engine.kv_block_bytes)
+    # Resident adapters live in the KV cache's own blocks: pages it counts, no more than a tenth
+    # past their bytes' worth of blocks (alignment, and each tensor whole in one K or V span).
+    assert lora["in_kv_pages"] and lora["resident_kv_blocks"] == llm.engine.kv_cache.num_page_blocks
+    worth = -(-lora["resident_bytes"] // llm.engine.kv_block_bytes)
+    assert worth <= lora["resident_kv_blocks"] <= 1.1 * worth
+    assert_nothing_held(llm)
+
+
+def test_adapters_and_kv_share_the_blocks_idle_adapters_give_theirs_back(tiny):
+    """Resident adapters hold runs of the KV cache's blocks; a request that needs those blocks
+    takes them from idle adapters (least recently used first), and an adapter read back later
+    gives the same tokens."""
+    path, base, adapters = tiny
+    llm = make_llm(path, adapters, kv_cache_memory="1MiB", max_model_len=512)
+    kv = llm.engine.kv_cache
+    held = kv.num_page_blocks
+    assert held > kv.num_blocks // 2 and len(llm.engine.adapters.resident) == 4
+    assert kv.block_states().count("a") == held
+    prompt = prompts(4)[3]
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    output = llm.generate([prompt], long)[0]  # more blocks than the adapters left free
+    assert len(output.token_ids) == 400 and output.token_ids[:12] == hf_greedy(base, prompt, 12)
+    assert kv.num_page_blocks < held and len(llm.engine.adapters.resident) < 4
+    for name in adapters:  # read back where evicted, the same tokens as PEFT's
+        assert llm.generate([prompt], greedy(6), lora=name)[0].token_ids == hf_greedy(adapters[name][1], prompt, 6)
     assert_nothing_held(llm)
 
 

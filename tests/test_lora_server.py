@@ -100,6 +100,9 @@ def test_kv_events_carry_the_adapter_key_the_router_salts_by(server):
     assert not set(prompt_block_keys(prompt, events["block_size"], root_key())) & stored  # not the base model's
     lora = server.stats()["lora"]
     assert lora["registered"] >= 1 and lora["resident"] >= 1 and lora["resident_kv_blocks"] >= 1
+    assert lora["in_kv_pages"]  # the dashboard draws the adapters' pages among the blocks
+    blocks = httpx.get(server.url + "/dashboard/state").json()["blocks"]
+    assert blocks.count("a") == lora["resident_kv_blocks"]
     metrics = httpx.get(server.url + "/metrics").text
     assert f"pagedllm_lora_adapters_resident {float(lora['resident'])}" in metrics
     assert "pagedllm_lora_resident_kv_blocks" in metrics and "pagedllm_lora_evictions_total" in metrics

@@ -12,6 +12,10 @@ Invariants:
 - the free list is ordered least recently freed first, so eviction takes the
   content that has gone unused longest.
 
+`allocate_run` hands out a run of consecutive blocks for memory that is not KV (a LoRA
+adapter's weights, written into those blocks' place in the cache tensors); `num_page_blocks`
+counts them, and they are held (reference count 1) until `free_run`.
+
 With `record_events`, the pool also keeps the content keys it started and stopped
 holding since the last `drain_events()`, in order: what a data-parallel router reads
 to know which prefixes each replica holds (pagedllm/replicas/router.py).
@@ -36,6 +40,8 @@ class BlockPool:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.runs: dict[int, int] = {}  # first block -> length of each run allocate_run handed out
+        self.num_page_blocks = 0  # blocks in those runs (held, but not by requests)
         self.record_events = False
         self._events: list[tuple[bool, bytes]] = []  # (stored: True / removed: False, key)
 
@@ -69,14 +75,49 @@ class BlockPool:
         blocks = sorted(self._free.popitem(last=False)[0] for _ in range(count))
         for block in blocks:
             self.ref_counts[block] = 1
-            key = self.block_keys[block]
-            if key is not None:
-                del self.cached[key]
-                self.block_keys[block] = None
-                self.num_evictions += 1
-                if self.record_events:
-                    self._events.append((False, key))
+            self._forget_content(block)
         return blocks
+
+    def _forget_content(self, block: int) -> None:
+        key = self.block_keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_keys[block] = None
+            self.num_evictions += 1
+            if self.record_events:
+                self._events.append((False, key))
+
+    def allocate_run(self, count: int) -> int | None:
+        """Take `count` consecutive free blocks (evicting cached content), each with reference count
+        1; the first id, or None where no such run is free.  Searched from the highest ids down:
+        requests take the least recently freed blocks, so runs at the top stay whole longer."""
+        if count < 1:
+            raise ValueError(f"a run has at least one block, got {count}")
+        length, first = 0, None
+        for block in range(self.num_blocks - 1, -1, -1):
+            length = length + 1 if self.ref_counts[block] == 0 else 0
+            if length == count:
+                first = block
+                break
+        if first is None:
+            return None
+        for block in range(first, first + count):
+            del self._free[block]
+            self.ref_counts[block] = 1
+            self._forget_content(block)
+        self.runs[first] = count
+        self.num_page_blocks += count
+        return first
+
+    def free_run(self, first: int) -> None:
+        """Give back the run `allocate_run` handed out starting at `first`."""
+        count = self.runs.pop(first, None)
+        if count is None:
+            raise ValueError(f"block {first} does not start a run allocate_run handed out")
+        for block in range(first, first + count):
+            self.ref_counts[block] = 0
+            self._free[block] = None
+        self.num_page_blocks -= count
 
     def incref(self, blocks: list[int]) -> None:
         """Add one holder to blocks that are already in use (sharing)."""
@@ -125,8 +166,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached content (nothing may be held): later lookups all miss, as in a fresh pool."""
-        if self.num_used_blocks:
-            raise ValueError(f"the prefix cache can be reset only when no block is held ({self.num_used_blocks} are)")
+        held = self.num_used_blocks - self.num_page_blocks
+        if held:
+            raise ValueError(f"the prefix cache can be reset only when no block is held by a request ({held} are)")
         for key, block in self.cached.items():
             self.block_keys[block] = None
             if self.record_events:

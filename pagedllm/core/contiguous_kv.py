@@ -61,6 +61,16 @@ class ContiguousKVCacheManager:
     num_cached_blocks = 0
     num_prefix_evictions = 0
 
+    # No pages: LoRA adapters' weights stay in memory of their own beside this layout.
+    supports_pages = False
+    num_page_blocks = 0
+
+    def allocate_pages(self, count: int) -> int | None:
+        return None
+
+    def free_pages(self, first: int) -> None:
+        raise ValueError("the contiguous layout hands out no pages")
+
     def reset_prefix_cache(self) -> None:
         pass
 

@@ -141,7 +141,29 @@ class KVCacheManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
+        """Blocks requests hold (pages excluded)."""
+        return self.pool.num_used_blocks - self.pool.num_page_blocks
+
+    # --- pages: runs of blocks whose memory holds LoRA adapters' weights, not KV --------------
+
+    @property
+    def supports_pages(self) -> bool:
+        return True
+
+    @property
+    def num_page_blocks(self) -> int:
+        return self.pool.num_page_blocks
+
+    def allocate_pages(self, count: int) -> int | None:
+        """A run of `count` consecutive free blocks for non-KV memory; its first block, or None
+        where no run that long is free."""
+        first = self.pool.allocate_run(count)
+        if first is not None:
+            self._forget_pending()  # a pending block a run took must not be found this step
+        return first
+
+    def free_pages(self, first: int) -> None:
+        self.pool.free_run(first)
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -378,10 +400,13 @@ class KVCacheManager:
         """One character per physical block: "." free, "u" held by one request,
         "s" shared by several, "c" free but holding cached content (evictable)."""
         pool = self.pool
-        return "".join(
+        states = [
             ("s" if ref > 1 else "u") if ref else ("c" if key is not None else ".")
             for ref, key in zip(pool.ref_counts, pool.block_keys)
-        )
+        ]
+        for first, count in self.pool.runs.items():
+            states[first : first + count] = "a" * count
+        return "".join(states)
 
     def num_allocated_slots(self) -> int:
         """Slots of the blocks in use (a slot: one token of one group's layers)."""

@@ -26,6 +26,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request_table import RequestTable
 from pagedllm.engine.state import EngineInfo, RunCounters, begin_run, engine_state, kv_picture, run_report
 from pagedllm.execution.lora_adapters import LoraAdapters
+from pagedllm.execution.lora_pages import LoraPages
 from pagedllm.execution.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.execution.rank_model import RankModel, build_rank_model
 from pagedllm.execution.step_cost import measure_step_cost
@@ -97,6 +98,8 @@ class LLMEngine:
             model_config, self.dtype, self.device, config.max_loras, config.max_lora_rank, built.model.ops.kernels
         )
         self.lora_refusal = self._lora_refusal(config, built)
+        if not self.lora_refusal and LoraPages.usable(self.kv_cache, self.runner.kv_caches):
+            self.adapters.use_pages(LoraPages(self.kv_cache, self.runner.kv_caches, self.runner.groups.layer_slot))
         self.scheduler = self._make_scheduler(config, built)
         self._log_start(built, tp)
         self.table = RequestTable(self.runner.release)
@@ -199,6 +202,19 @@ class LLMEngine:
             name = self.adapters.name_of(request.adapter)
             self._adapter_failures[request.request_id] = f"LoRA adapter {name!r} could not be loaded: {error}"
             return False
+
+    def _reclaim_adapter_pages(self) -> None:
+        """Adapters share the KV cache's blocks: when the waiting request at the head of the queue
+        (and one more block for each running request) needs more blocks than are free, idle
+        adapters give theirs back, least recently used first."""
+        scheduler, kv = self.scheduler, self.kv_cache
+        if not scheduler.waiting:
+            return
+        head = scheduler.waiting[0]
+        needed = kv.blocks_for_tokens(len(head.token_ids) + 1) * kv.num_groups + len(scheduler.running)
+        if kv.num_free_blocks < needed:
+            busy = {r.adapter for r in scheduler.running if r.adapter is not None} | {head.adapter}
+            self.adapters.reclaim(needed - kv.num_free_blocks, busy)
 
     def _log_start(self, built: RankModel, tp: TensorParallel) -> None:
         config, c, num_blocks = self.config, built.model_config, built.num_blocks
@@ -397,6 +413,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, update the requests."""
+        if self.adapters.pages is not None and self.adapters.resident:
+            self._reclaim_adapter_pages()
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled) if not scheduled.is_empty else ModelRunnerOutput({}, {})
         outputs = self._update(scheduled, result) if result is not None else self._fail_step(scheduled)

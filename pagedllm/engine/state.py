@@ -66,8 +66,8 @@ def engine_state(engine: LLMEngine) -> dict:
             if engine.speculation is not None
             else None
         ),
-        # LoRA adapters (execution/lora_adapters.py), their memory also in KV blocks' worth; None
-        # where this engine cannot run adapters.
+        # LoRA adapters (execution/lora_adapters.py) and the KV blocks their pages hold (their
+        # bytes' worth under the contiguous layout); None where this engine cannot run adapters.
         "lora": lora_state(engine),
         # Each rank's weights, KV cache and RSS as measured at start (one entry without tensor parallelism).
         "weights": engine.weights,
@@ -82,7 +82,9 @@ def lora_state(engine: LLMEngine) -> dict | None:
     if engine.lora_refusal:
         return None
     summary = engine.adapters.summary()
-    return summary | {"resident_kv_blocks": -(-summary["resident_bytes"] // engine.kv_block_bytes)}
+    in_pages = engine.adapters.pages is not None
+    worth = -(-summary["resident_bytes"] // engine.kv_block_bytes)
+    return summary | {"in_kv_pages": in_pages, "resident_kv_blocks": summary["page_blocks"] if in_pages else worth}
 
 
 def kv_picture(engine: LLMEngine) -> dict:

@@ -1,5 +1,6 @@
 """The LoRA adapters an engine knows, by name: registered (checked, its file's path kept) and,
-up to `max_loras` of them, resident (its weights in memory).  A request's adapter is made resident
+up to `max_loras` of them, resident (its weights in memory: in a run of the KV cache's own blocks
+where the cache has pages, execution/lora_pages.py).  A request's adapter is made resident
 when the scheduler admits it (`make_resident`), evicting the least recently used adapter that no
 running request uses; with none to evict the request waits, as it waits for KV blocks.
 
@@ -20,6 +21,7 @@ import torch
 
 from pagedllm.core.step_message import Chunk
 from pagedllm.errors import ModelFileError
+from pagedllm.execution.lora_pages import LoraPages, PagedAdapter
 from pagedllm.layers.lora import KernelTable, LoraKernel, LoraStack, LoraStep, LoraWeights
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.lora_files import adapter_digest, projection_shapes, read_adapter
@@ -56,6 +58,14 @@ class LoraAdapters:
         self.num_evictions = 0
         self._stacks: dict[tuple[str, ...], LoraStack] = {}  # the sets of adapters steps ran together
         self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
+        self.pages: LoraPages | None = None  # where resident adapters live in the KV cache's blocks
+        self._paged: dict[str, PagedAdapter] = {}  # by key: each resident adapter's run of pages
+
+    def use_pages(self, pages: LoraPages) -> None:
+        """From now on, resident adapters live in the KV cache's pages (execution/lora_pages.py)."""
+        if self.resident:
+            raise ValueError("pages are given before any adapter is resident")
+        self.pages = pages
 
     def load(self, name: str, path: str | Path) -> str:
         """Register the adapter at `path` (PEFT directory or GGUF file) as `name` (read and checked whole now), resident
@@ -72,8 +82,36 @@ class LoraAdapters:
         weights = replace(weights, key=key)
         self.registered[name] = Registered(key, path)
         if len(self.resident) < self.max_loras:
-            self.resident[key] = weights
+            self._store(key, weights, busy=None)  # where pages are short it stays registered only
         return key
+
+    def _store(self, key: str, weights: LoraWeights, busy: set[str] | None) -> bool:
+        """Make `weights` resident: into pages where the cache has them, evicting idle adapters
+        (outside `busy`; None: evict none) until a run is free.  False: no room."""
+        if self.pages is None:
+            self.resident[key] = weights
+            return True
+        paged = self.pages.place(weights)
+        while paged is None:
+            idle = None if busy is None else next((k for k in self.resident if k not in busy), None)
+            if idle is None:
+                return False
+            self._evict(idle)
+            paged = self.pages.place(weights)
+        self._paged[key] = paged
+        self.resident[key] = paged.weights
+        return True
+
+    def reclaim(self, blocks: int, busy: set[str]) -> int:
+        """Evict idle resident adapters (outside `busy`), least recently used first, until their
+        pages give back at least `blocks` blocks; the blocks given back."""
+        freed = 0
+        for key in [k for k in self.resident if k not in busy and k in self._paged]:
+            if freed >= blocks:
+                break
+            freed += self._paged[key].num_blocks
+            self._evict(key)
+        return freed
 
     def _read(self, key: str, path: Path) -> LoraWeights:
         adapter = read_adapter(path, self.config, self.max_rank)
@@ -98,11 +136,12 @@ class LoraAdapters:
         weights = self._read(key, registered.path)
         if f"{self.name_of(key)}#{adapter_digest(registered.path)}" != key:
             raise ModelFileError(registered.path, None, "changed on disk since the adapter was loaded; load it again")
-        self.resident[key] = weights
-        return True
+        return self._store(key, weights, busy)
 
     def _evict(self, key: str) -> None:
         del self.resident[key]
+        if key in self._paged:
+            self.pages.release(self._paged.pop(key))
         self.num_evictions += 1
         self._stacks = {keys: s for keys, s in self._stacks.items() if key not in keys}
         self._tables = {keys: t for keys, t in self._tables.items() if key not in keys}
@@ -152,6 +191,7 @@ class LoraAdapters:
             "resident": len(self.resident),
             "max_loras": self.max_loras,
             "resident_bytes": sum(w.nbytes for w in self.resident.values()),
+            "page_blocks": sum(p.num_blocks for p in self._paged.values()),
             "evictions": self.num_evictions,
         }
 

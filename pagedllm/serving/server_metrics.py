@@ -79,7 +79,7 @@ class ServerMetrics:
         self.lora_resident = Gauge("pagedllm_lora_adapters_resident", "LoRA adapters resident in memory", registry=r)
         self.lora_bytes = Gauge("pagedllm_lora_resident_bytes", "Bytes the resident LoRA adapters hold", registry=r)
         self.lora_kv_blocks = Gauge(
-            "pagedllm_lora_resident_kv_blocks", "The resident LoRA adapters' bytes, in KV blocks' worth", registry=r
+            "pagedllm_lora_resident_kv_blocks", "KV cache blocks the resident LoRA adapters hold", registry=r
         )
         self.lora_evictions = Counter(
             "pagedllm_lora_evictions", "LoRA adapters evicted to make room for another", registry=r
