@@ -22,6 +22,14 @@ THROUGHPUT_WINDOW_S = 60.0
 disable_created_metrics()  # no `_created` timestamp series beside every counter
 
 
+LORA_GAUGES = (
+    ("registered", "pagedllm_lora_adapters_registered", "LoRA adapters registered"),
+    ("resident", "pagedllm_lora_adapters_resident", "LoRA adapters resident in memory"),
+    ("resident_bytes", "pagedllm_lora_resident_bytes", "Bytes the resident LoRA adapters hold"),
+    ("resident_kv_blocks", "pagedllm_lora_resident_kv_blocks", "KV cache blocks the resident LoRA adapters hold"),
+)
+
+
 @dataclass
 class _Progress:
     num_tokens: int = 0  # generated tokens seen so far, over all samples
@@ -75,12 +83,8 @@ class ServerMetrics:
         self.draft_tokens_per_step = Gauge(
             "pagedllm_spec_draft_tokens_per_step", "Speculative decoding: draft tokens per decoding step", registry=r
         )
-        self.lora_registered = Gauge("pagedllm_lora_adapters_registered", "LoRA adapters registered", registry=r)
-        self.lora_resident = Gauge("pagedllm_lora_adapters_resident", "LoRA adapters resident in memory", registry=r)
-        self.lora_bytes = Gauge("pagedllm_lora_resident_bytes", "Bytes the resident LoRA adapters hold", registry=r)
-        self.lora_kv_blocks = Gauge(
-            "pagedllm_lora_resident_kv_blocks", "KV cache blocks the resident LoRA adapters hold", registry=r
-        )
+        # /stats' `lora` field -> its gauge
+        self.lora_gauges = {field: Gauge(name, text, registry=r) for field, name, text in LORA_GAUGES}
         self.lora_evictions = Counter(
             "pagedllm_lora_evictions", "LoRA adapters evicted to make room for another", registry=r
         )
@@ -133,10 +137,8 @@ class ServerMetrics:
         self._preemptions_seen = state["preemptions"]
         lora = state["lora"]
         if lora is not None:
-            self.lora_registered.set(lora["registered"])
-            self.lora_resident.set(lora["resident"])
-            self.lora_bytes.set(lora["resident_bytes"])
-            self.lora_kv_blocks.set(lora["resident_kv_blocks"])
+            for field, gauge in self.lora_gauges.items():
+                gauge.set(lora[field])
             self.lora_evictions.inc(lora["evictions"] - self._lora_evictions_seen)
             self._lora_evictions_seen = lora["evictions"]
         spec = state["speculation"]
