@@ -247,6 +247,29 @@ def test_adapters_and_kv_share_the_blocks_idle_adapters_give_theirs_back(tiny):
     assert_nothing_held(llm)
 
 
+def test_an_adapter_or_a_request_too_big_for_the_cache_beside_it_is_refused(tiny):
+    """No request waits forever for blocks its own adapter's pages hold: an adapter larger than
+    the cache is refused at load, a request that fits the cache alone but not beside its
+    adapter's pages at submission."""
+    path, _, adapters = tiny
+    probe = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory="16MiB")
+    probe.engine.load_lora("all", str(adapters["all"][0]))
+    pages = probe.engine.adapters.blocks_of(probe.engine.adapters.key_of("all"))
+    block_bytes = probe.engine.kv_block_bytes
+    del probe
+    small = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory=str((pages - 1) * block_bytes))
+    with pytest.raises(ValueError, match=f"needs {pages} blocks of the KV cache for its pages; the cache has"):
+        small.engine.load_lora("all", str(adapters["all"][0]))
+    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory=str((pages + 40) * block_bytes))
+    llm.engine.load_lora("all", str(adapters["all"][0]))
+    params = SamplingParams(max_tokens=41 * 8 - 5, ignore_eos=True)  # 41 blocks with its 5-token prompt
+    llm.engine.add_request([1, 2, 3, 4, 5], params, "alone")  # fits without the adapter
+    llm.engine.abort_request("alone")
+    with pytest.raises(ValueError, match="beside its LoRA adapter's .* blocks of pages"):
+        llm.engine.add_request([1, 2, 3, 4, 5], params, "beside", lora="all")
+    assert_nothing_held(llm)
+
+
 def test_an_adapter_removed_or_changed_on_disk_ends_its_requests(tiny, tmp_path):
     import shutil
 

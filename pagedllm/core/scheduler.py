@@ -100,6 +100,7 @@ class Scheduler:
         draft_filter: Callable[[Request, list[int]], int] | None = None,
         draft_row_limits: tuple[int, ...] = (),
         admit: Callable[[Request], bool] | None = None,
+        adapter_blocks: Callable[[str], int] | None = None,
     ) -> None:
         """`prompt_salt`: what, given a prompt's length, besides its tokens makes a request's KV
         differ (mixed into its prefix-cache keys); None: nothing.  `speculation`: draft tokens for
@@ -110,7 +111,8 @@ class Scheduler:
         decoding rows, within the range they are in without drafts, and a step past the last gets
         none.  Empty: drafts are not limited so.  `admit(request)`: whether what a waiting request
         needs besides KV blocks is ready (its LoRA adapter resident); False keeps it waiting at the
-        head of the queue, as a lack of blocks does."""
+        head of the queue, as a lack of blocks does.  `adapter_blocks(key)`: the pool blocks that
+        adapter's pages take while its requests run (a request must fit beside them)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -126,6 +128,7 @@ class Scheduler:
         self.draft_row_limits = tuple(sorted(draft_row_limits))
         self.draft_filter = draft_filter
         self.admit = admit
+        self.adapter_blocks = adapter_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -136,11 +139,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         needed = self.kv_cache.max_blocks_held(request.max_total_tokens, self.max_num_batched_tokens)
-        if needed > self.kv_cache.num_blocks:
+        pages = self.adapter_blocks(request.adapter) if request.adapter and self.adapter_blocks else 0
+        if needed + pages > self.kv_cache.num_blocks:
+            beside = f" beside its LoRA adapter's {pages} blocks of pages" if pages else ""
             raise ValueError(
                 f"request {request.request_id} can never fit: prompt ({request.num_prompt_tokens} tokens) + "
-                f"max_tokens is {request.max_total_tokens} tokens and may hold {needed} blocks, but the whole KV cache "
-                f"has {self.kv_cache.num_blocks} blocks ({self.kv_cache.num_tokens_capacity} tokens); "
+                f"max_tokens is {request.max_total_tokens} tokens and may hold {needed} blocks{beside}, but the "
+                f"whole KV cache has {self.kv_cache.num_blocks} blocks ({self.kv_cache.num_tokens_capacity} tokens); "
                 "lower max_tokens or raise kv_cache_memory"
             )
         self.waiting.append(request)

@@ -187,6 +187,7 @@ class LLMEngine:
             draft_filter=self._draft_filter if self.speculation is not None else None,
             draft_row_limits=self.draft_row_limits,
             admit=self._admit,
+            adapter_blocks=self.adapters.blocks_of,
         )
 
     def _admit(self, request: Request) -> bool:

@@ -60,6 +60,7 @@ class LoraAdapters:
         self._tables: dict[tuple[str, ...], KernelTable] = {}  # the same, for the C++ kernel
         self.pages: LoraPages | None = None  # where resident adapters live in the KV cache's blocks
         self._paged: dict[str, PagedAdapter] = {}  # by key: each resident adapter's run of pages
+        self._page_blocks: dict[str, int] = {}  # by key: the blocks each registered adapter's pages take
 
     def use_pages(self, pages: LoraPages) -> None:
         """From now on, resident adapters live in the KV cache's pages (execution/lora_pages.py)."""
@@ -80,6 +81,15 @@ class LoraAdapters:
         weights = self._read(name, path)  # checked (regular files, sane sizes) before the digest reads them
         key = f"{name}#{adapter_digest(path)}"
         weights = replace(weights, key=key)
+        if self.pages is not None:
+            blocks = self.pages.blocks_needed(weights)
+            if blocks > self.pages.kv.num_blocks:
+                total = self.pages.kv.num_blocks
+                raise ValueError(
+                    f"LoRA adapter {name!r} needs {blocks} blocks of the KV cache for its pages; the cache has "
+                    f"{total} (raise kv_cache_memory)"
+                )
+            self._page_blocks[key] = blocks
         self.registered[name] = Registered(key, path)
         if len(self.resident) < self.max_loras:
             self._store(key, weights, busy=None)  # where pages are short it stays registered only
@@ -101,6 +111,10 @@ class LoraAdapters:
         self._paged[key] = paged
         self.resident[key] = paged.weights
         return True
+
+    def blocks_of(self, key: str) -> int:
+        """The KV cache blocks adapter `key`'s pages take while resident (0 without pages)."""
+        return self._page_blocks.get(key, 0)
 
     def reclaim(self, blocks: int, busy: set[str]) -> int:
         """Evict idle resident adapters (outside `busy`), least recently used first, until their
@@ -173,6 +187,7 @@ class LoraAdapters:
         if registered.key in self.resident:
             self._evict(registered.key)
             self.num_evictions -= 1  # unloaded, not evicted
+        self._page_blocks.pop(registered.key, None)
 
     def key_of(self, name: str) -> str:
         registered = self.registered.get(name)
