@@ -124,7 +124,7 @@ class GGUFFile:
         self._bounded(num_fields, 13, "the metadata count")
         self._bounded(num_tensors, 24, "the tensor count")
         self.fields: dict[str, object] = {}
-        self.field_types: dict[str, int] = {}  # each key's GGUF value type (an array: its item type + 100)
+        self.field_types: dict[str, int] = {}  # each key's GGUF value type (9 for an array)
         for index in range(num_fields):
             key = self._string(f"metadata item {index}'s key")
             if key in self.fields:

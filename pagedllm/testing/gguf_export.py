@@ -189,15 +189,13 @@ def without_tokenizer(source: Path, out: Path) -> Path:
     arch = reader.fields["general.architecture"]
     writer = gguf.GGUFWriter(str(out), arch)
     for key, value in reader.fields.items():
-        kind = reader.field_types[key]
-        if key in ("general.architecture", "GGUF.version") or (key.startswith("tokenizer.") and kind >= 100):
+        kind = gguf.GGUFValueType(reader.field_types[key])
+        is_array = kind == gguf.GGUFValueType.ARRAY
+        if key in ("general.architecture", "GGUF.version") or (key.startswith("tokenizer.") and is_array):
             continue  # the vocabulary's arrays go; its special token ids stay (the config reads them)
         if isinstance(value, StringArray):  # stepped over by the reader (no config key is one)
             continue
-        if kind >= 100:  # an array of scalars
-            writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(kind - 100))
-        else:
-            writer.add_key_value(key, value, gguf.GGUFValueType(kind))
+        writer.add_key_value(key, list(value) if is_array else value, kind)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if isinstance(tokens, StringArray) and f"{arch}.vocab_size" not in reader.fields:
         writer.add_vocab_size(tokens.length)  # what transformers otherwise counts from the token list
