@@ -28,6 +28,11 @@ def main() -> None:
     parser.add_argument("--llama-cpp-src", type=Path, default=None, help="a llama.cpp source tree")
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gguf-lora-") as folder:
+        check(Path(folder), args.llama_cpp_src, args.tokens)
+
+
+def check(work: Path, llama_cpp_src: Path | None, num_tokens: int) -> None:
     import gguf
 
     from pagedllm import LLM
@@ -37,7 +42,6 @@ def main() -> None:
     from pagedllm.testing.hf_reference import save_random_llama
     from pagedllm.testing.lora import write_gguf_adapter, write_random_adapter
 
-    work = Path(tempfile.mkdtemp(prefix="gguf-lora-"))
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     save_random_llama(work / "base", **shape, num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.2)
     config = config_from_hf_dict(json.loads((work / "base" / "config.json").read_text()))
@@ -45,11 +49,11 @@ def main() -> None:
     write_random_adapter(work / "adapter", config, rank=8, alpha=16.0, seed=3, std=0.3)
     ours = write_gguf_adapter(work / "adapter", work / "adapter.gguf", config)
 
-    if args.llama_cpp_src is not None:
+    if llama_cpp_src is not None:
         theirs = work / "theirs.gguf"
         command = [sys.executable, "convert_lora_to_gguf.py", str(work / "adapter"), "--base", str(work / "base")]
         command += ["--outtype", "f32", "--outfile", str(theirs)]
-        subprocess.run(command, cwd=args.llama_cpp_src, check=True, capture_output=True)
+        subprocess.run(command, cwd=llama_cpp_src, check=True, capture_output=True)
         mine = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
         converted = {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
         if sorted(mine) != sorted(converted):
@@ -62,7 +66,7 @@ def main() -> None:
 
     prompt = list(range(100, 140))
     llm = LLM(str(work / "base.gguf"), dtype="float32", lora_modules=[f"gguf={ours}", f"peft={work / 'adapter'}"])
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     engine = {name: llm.generate([prompt], params, lora=name)[0].token_ids for name in ("gguf", "peft", None)}
     print(f"pagedllm, GGUF adapter:  {engine['gguf']}")
     print(f"pagedllm, PEFT adapter:  {engine['peft']}")
@@ -78,7 +82,7 @@ def main() -> None:
     reference = []
     for token in model.generate(prompt, top_k=1, temp=0.0):
         reference.append(int(token))
-        if len(reference) == args.tokens:
+        if len(reference) == num_tokens:
             break
     print(f"llama.cpp, GGUF adapter: {reference}")
     if reference != engine["gguf"]:

@@ -424,6 +424,7 @@ def test_bad_gguf_adapters_are_refused_by_name(tiny, tmp_path):
         "half": ({"blk.0.attn_q.weight.lora_a": a}, {}, "has no lora_b"),
         "ranks": ({**good, "blk.1.attn_v.weight.lora_a": np.zeros((2, 64), np.float32)}, {}, "one rank"),
         "layer": ({**good, "blk.7.attn_q.weight.lora_a": a}, {}, "names layer 7; the model has 3"),
+        "flat": ({**good, "blk.1.attn_v.weight.lora_a": np.zeros(256, np.float32)}, {}, "a LoRA factor is a matrix"),
         "nan": ({**good, "blk.0.attn_q.weight.lora_b": np.full((64, 4), np.nan, np.float32)}, {}, "NaN"),
         "type": ({**good, "blk.0.attn_q.weight.lora_a": q4}, {}, "is Q4_0; adapter tensors are read in"),
     }

@@ -361,23 +361,24 @@ def test_native_weights_refuse_what_they_cannot_run(tmp_path):
 
 
 def test_rows_dequantized_together_give_the_gguf_packages_values():
-    """The loader hands consecutive rows to the `gguf` package as one (pagedllm/models/loader.py:
-    dequantize_rows): every tensor of the bundled file, and row counts of every parity, come out
+    """The loader hands consecutive rows to the `gguf` package as one (pagedllm/models/gguf_weights.py:
+    dequantize_tensor): every tensor of the bundled file, and row counts of every parity, come out
     as the package gives them row by row."""
     import gguf
     import numpy as np
 
     from pagedllm.models.gguf_file import GGUFFile
-    from pagedllm.models.loader import default_model_path, dequantize_rows
+    from pagedllm.models.gguf_weights import dequantize_tensor
+    from pagedllm.models.loader import default_model_path
 
     for tensor in GGUFFile(default_model_path()).tensors:
         shape = [int(d) for d in reversed(tensor.shape)]
         expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        assert np.array_equal(dequantize_rows(tensor.data, tensor.tensor_type, shape), expected), tensor.name
+        assert np.array_equal(dequantize_tensor(tensor.data, tensor.tensor_type, shape), expected), tensor.name
     rng = np.random.default_rng(0)
     for kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
         for rows in (1, 7, 48, 96):
             values = rng.standard_normal((rows, 64)).astype(np.float32)
             data = gguf.quants.quantize(values, kind)
             expected = gguf.quants.dequantize(data, kind).reshape(rows, 64)
-            assert np.array_equal(dequantize_rows(data, kind, [rows, 64]), expected), (kind, rows)
+            assert np.array_equal(dequantize_tensor(data, kind, [rows, 64]), expected), (kind, rows)

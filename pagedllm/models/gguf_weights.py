@@ -15,6 +15,7 @@ Nothing is rounded or widened: the repacked weight holds the file's numbers, in 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,3 +149,18 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
         source=kind,
         super_group=decoded.super_group,
     )
+
+
+def dequantize_tensor(data: np.ndarray, tensor_type, shape: list[int]) -> np.ndarray:
+    """A GGUF tensor's values as float32 in `shape` (outermost first), by the `gguf` package.  It
+    works over groups of 16 rows, so a tensor of many short rows (a 262,144-token embedding) costs
+    a numpy call per 16; blocks never straddle rows, so consecutive rows are handed over as one
+    row of up to 2^20 values, which gives the same values in the same order."""
+    import gguf
+
+    rows = math.prod(shape[:-1])
+    merge = 1
+    while rows % (merge * 2) == 0 and merge * 2 * shape[-1] <= 1 << 20:
+        merge *= 2
+    raw = np.asarray(data).reshape(rows // merge, -1)
+    return gguf.quants.dequantize(raw, tensor_type).astype(np.float32, copy=False).reshape(shape)

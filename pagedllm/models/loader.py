@@ -9,7 +9,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from pagedllm.models.gguf_config import (
     unpermute_rope_rows,
 )
 from pagedllm.models.gguf_file import GGUFFile, open_regular_file
-from pagedllm.models.gguf_weights import NATIVE_TYPES, repack
+from pagedllm.models.gguf_weights import NATIVE_TYPES, dequantize_tensor, repack
 
 logger = logging.getLogger("pagedllm")
 
@@ -221,21 +220,6 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 # --- GGUF ------------------------------------------------------------------------------
 
 
-def dequantize_rows(data: np.ndarray, tensor_type, shape: list[int]) -> np.ndarray:
-    """A GGUF tensor's values as float32 in `shape` (outermost first), by the `gguf` package.  It
-    works over groups of 16 rows, so a tensor of many short rows (a 262,144-token embedding) costs
-    a numpy call per 16; blocks never straddle rows, so consecutive rows are handed over as one
-    row of up to 2^20 values, which gives the same values in the same order."""
-    import gguf
-
-    rows = math.prod(shape[:-1])
-    merge = 1
-    while rows % (merge * 2) == 0 and merge * 2 * shape[-1] <= 1 << 20:
-        merge *= 2
-    raw = np.asarray(data).reshape(rows // merge, -1)
-    return gguf.quants.dequantize(raw, tensor_type).astype(np.float32, copy=False).reshape(shape)
-
-
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str, Weight]]:
 
     reader, config = _checked(path)
@@ -256,7 +240,7 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[ModelConfig, dict[str,
                 weight = weight.select_rows(torch.from_numpy(unpermute_rope_rows(np.arange(shape[0]), heads)))
             weights[name] = weight
             continue
-        array = dequantize_rows(tensor.data, tensor.tensor_type, shape)
+        array = dequantize_tensor(tensor.data, tensor.tensor_type, shape)
         if heads is not None:
             array = unpermute_rope_rows(array, heads)
         if config.architecture == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w

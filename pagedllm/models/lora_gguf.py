@@ -21,6 +21,7 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_config import GGUF_ARCHITECTURES, LAYER_NAMES, PERMUTED_QK, unpermute_rope_rows
 from pagedllm.models.gguf_file import GGUFFile
 from pagedllm.models.gguf_metadata import meta_float, meta_str
+from pagedllm.models.gguf_weights import dequantize_tensor
 from pagedllm.models.lora_files import TARGETS, LoraAdapter, projection_shapes
 
 ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")
@@ -67,6 +68,8 @@ def read_gguf_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
             problem = f"is {tensor.tensor_type.name}; adapter tensors are read in {', '.join(ADAPTER_TYPES)}"
             raise ModelFileError(path, item, problem)
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if len(shape) != 2:
+            raise ModelFileError(path, item, f"has {len(shape)} dimensions; a LoRA factor is a matrix")
         this_rank = shape[0] if side == "a" else shape[-1]
         rank = this_rank if rank is None else rank
         out_features, in_features = expected[module]
@@ -83,8 +86,6 @@ def read_gguf_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
         raise ModelFileError(path, None, f"rank {rank} is over the engine's max_lora_rank of {max_rank}")
     scale = alpha / rank if alpha else 1.0
 
-    from pagedllm.models.loader import dequantize_rows
-
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
     for (layer, module), sides in sorted(pairs.items()):
         if len(sides) != 2:
@@ -92,7 +93,7 @@ def read_gguf_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
             raise ModelFileError(path, f"layer {layer} {module}", f"has no lora_{missing} beside its lora_a/b")
         values = {}
         for side, tensor in sides.items():
-            array = dequantize_rows(tensor.data, tensor.tensor_type, [int(d) for d in reversed(tensor.shape)])
+            array = dequantize_tensor(tensor.data, tensor.tensor_type, [int(d) for d in reversed(tensor.shape)])
             if not np.isfinite(array).all():
                 raise ModelFileError(path, f"tensor {tensor.name!r:.120}", "holds NaN or infinity")
             values[side] = array
