@@ -152,12 +152,17 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
 
 
 def dequantize_tensor(data: np.ndarray, tensor_type, shape: list[int]) -> np.ndarray:
-    """A GGUF tensor's values as float32 in `shape` (outermost first), by the `gguf` package.  It
-    works over groups of 16 rows, so a tensor of many short rows (a 262,144-token embedding) costs
-    a numpy call per 16; blocks never straddle rows, so consecutive rows are handed over as one
-    row of up to 2^20 values, which gives the same values in the same order."""
+    """A GGUF tensor's values as float32 in `shape` (outermost first).  A matrix of a type with
+    native kernels is decoded by `repack` and expanded in torch (the same float32 products and
+    sums as the `gguf` package's, so the same values; ten times faster on Gemma 3's Q8_0
+    embedding); any other tensor by the `gguf` package.  That one works over groups of 16 rows, so
+    a tensor of many short rows costs a numpy call per 16; blocks never straddle rows, so
+    consecutive rows are handed over as one row of up to 2^20 values, which gives the same
+    values in the same order."""
     import gguf
 
+    if tensor_type.name in NATIVE_TYPES and len(shape) == 2:
+        return repack(data, tensor_type.name, *shape).dequantize().numpy()
     rows = math.prod(shape[:-1])
     merge = 1
     while rows % (merge * 2) == 0 and merge * 2 * shape[-1] <= 1 << 20:

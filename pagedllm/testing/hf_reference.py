@@ -32,21 +32,29 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def assert_logits_close(llm: LLM, model, ids: list[int], atol: float, rtol: float, rows: int = 128) -> None:
-    """Our logits and transformers' at every position of `ids`, compared `rows` positions at a
-    time: a 262k-token vocabulary's logits for 2,000 positions are 2 GB a side in float32, which
-    neither side needs at once.  Each side's final hidden states come from one forward pass; the
-    LM head runs on a slice of them at a time (as transformers' own forward would, softcap included)."""
+def assert_logits_close(
+    llm: LLM, model, ids: list[int], atol: float, rtol: float, rows: int = 128, positions: list[int] | None = None
+) -> None:
+    """Our logits and transformers' at every position of `ids` (or at `positions` only), compared
+    `rows` positions at a time: a 262k-token vocabulary's logits for 2,000 positions are 2 GB a
+    side in float32, which neither side needs at once.  Each side's final hidden states come from
+    one forward pass over all of `ids`; the LM head runs on a slice of them at a time (as
+    transformers' own forward would, softcap included)."""
     ours = our_hidden(llm, ids)
     device = next(model.parameters()).device
     theirs = model.model(torch.tensor([ids], device=device)).last_hidden_state[0]
+    if positions is not None:
+        index = torch.tensor(positions, dtype=torch.int64)
+        ours, theirs = ours.index_select(0, index.to(ours.device)), theirs.index_select(0, index.to(device))
+    names = positions if positions is not None else list(range(len(ids)))
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    for start in range(0, len(ids), rows):
+    for start in range(0, len(names), rows):
         expected = model.lm_head(theirs[start : start + rows]).float()
         if softcap:
             expected = torch.tanh(expected / softcap) * softcap
         got = llm.engine.runner.model.compute_logits(ours[start : start + rows]).float()
-        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m, s=start: f"positions {s}+: {m}")
+        where = f"positions {names[start]}+"
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m, w=where: f"{w}: {m}")
 
 
 def our_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
