@@ -232,7 +232,7 @@ def test_adapters_and_kv_share_the_blocks_idle_adapters_give_theirs_back(tiny):
     takes them from idle adapters (least recently used first), and an adapter read back later
     gives the same tokens."""
     path, base, adapters = tiny
-    llm = make_llm(path, adapters, kv_cache_memory="1MiB", max_model_len=512)
+    llm = make_llm(path, adapters, kv_cache_memory="768KiB", max_model_len=512)
     kv = llm.engine.kv_cache
     held = kv.num_page_blocks
     assert held > kv.num_blocks // 2 and len(llm.engine.adapters.resident) == 4

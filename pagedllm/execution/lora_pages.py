@@ -4,10 +4,10 @@ lie in the cache tensors, so adapters and KV share one memory budget, counted in
 
 Where the weights go: every cache tensor is [2 (K, V), blocks, block_size, kv_heads, head_dim],
 so a run of n blocks is two contiguous spans in each of them (its K half and its V half).  Layer
-l's tensors (its dense A and B, and their copies packed for the C++ kernel) are written into the
+l's tensors (its dense A and B, and B's parts packed for the C++ kernel) are written into the
 spans of the tensor layer l's cache lives in; layers that share a cache tensor (layer groups)
-share its spans.  Each tensor lies whole in one span, 64-byte aligned.  n is the smallest run in
-which every tensor of every layer fits.  Block ids in a run never enter a request's block table
+share its spans.  Each tensor lies whole in one span, 64-byte aligned, in the first span with
+room.  n is the smallest run in which every tensor of every layer fits.  Block ids in a run never enter a request's block table
 (the pool holds them), so no KV write reaches them and no attention reads them.
 """
 
@@ -77,9 +77,7 @@ class LoraPages:
             slot = self.layer_slot[index]
             layers.append({name: (copy(a, slot), copy(b, slot)) for name, (a, b) in layer.items()})
             if weights.packed:
-                packed.append(
-                    {name: (copy(a, slot), copy(b, slot), rank) for name, (a, b, rank) in weights.packed[index].items()}
-                )
+                packed.append({name: (copy(b, slot), desc) for name, (b, desc) in weights.packed[index].items()})
         return PagedAdapter(replace(weights, layers=layers, packed=packed), first, count)
 
     def release(self, adapter: PagedAdapter) -> None:
@@ -91,23 +89,22 @@ class LoraPages:
         for index, layer in enumerate(weights.layers):
             tensors = [t for pair in layer.values() for t in pair]
             if weights.packed:
-                tensors += [t for a, b, _ in weights.packed[index].values() for t in (a, b)]
+                tensors += [b for b, _ in weights.packed[index].values()]
             sizes[self.layer_slot[index]] += [t.numel() * t.element_size() for t in tensors]
         return sizes
 
     def _plan(self, sizes: dict[int, list[int]], count: int) -> dict[int, list[tuple[int, int]]] | None:
-        """Per cache tensor, (half, byte offset) of each tensor in a run of `count` blocks, filled
-        in order, K half first; None where they do not fit."""
+        """Per cache tensor, (half, byte offset) of each tensor in a run of `count` blocks: each in
+        the first half (K, then V) with room left for it; None where one does not fit."""
         capacity = count * self.span_bytes
         plan: dict[int, list[tuple[int, int]]] = {}
         for slot, slot_sizes in sizes.items():
-            half, at, places = 0, 0, []
+            used, places = [0, 0], []
             for size in slot_sizes:
-                if at + size > capacity:
-                    half, at = half + 1, 0
-                if half > 1 or size > capacity:
+                half = next((h for h in (0, 1) if used[h] + size <= capacity), None)
+                if half is None:
                     return None
-                places.append((half, at))
-                at += -(-size // ALIGN) * ALIGN
+                places.append((half, used[half]))
+                used[half] += -(-size // ALIGN) * ALIGN
             plan[slot] = places
         return plan

@@ -522,10 +522,10 @@ class CpuKernels:
         self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, adapter_of: torch.Tensor, parts: tuple,
     ) -> None:  # fmt: skip
         """y[row] += B_a (A_a x[row]) in place for row = order[i], a = adapter_of[i]; `parts`: the
-        adapters' packed A and B addresses and ranks (layers/lora.py's KernelTable entry; each
+        adapters' A, packed B and layout addresses (layers/lora.py's KernelTable entry; each
         adapter was checked against the model's projection sizes when it was loaded) (csrc/lora.cpp)."""
         _check(x, y, order, adapter_of)
-        a_ptrs, b_ptrs, ranks = parts
+        a_ptrs, b_ptrs, descs = parts
         rows = x.shape[0]
         _require(
             "lora_add",
@@ -537,10 +537,10 @@ class CpuKernels:
         _index("lora_add", "order", order, None)
         _index("lora_add", "adapter_of", adapter_of, order.shape[0])
         check_index_range("lora_add", "order", order, 0, rows)
-        check_index_range("lora_add", "adapter_of", adapter_of, 0, len(ranks))
+        check_index_range("lora_add", "adapter_of", adapter_of, 0, len(descs))
         self._fn("lora_add", x.dtype)(
             _ptr(x), _ptr(y), _ptr(order), _ptr(adapter_of), order.numel(), x.shape[1], y.shape[1],
-            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(ranks),
+            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(descs),
         )  # fmt: skip
 
     def decode_layers_workspace(self, shape: ctypes.Structure) -> int:

@@ -53,7 +53,7 @@ class _Layer(ctypes.Structure):  # csrc/decode_layers.cpp's DecodeLayer
 
 
 class _LoraPart(ctypes.Structure):  # csrc/decode_layers.cpp's LoraPart
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p)]
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("descs", ctypes.c_void_p)]
 
 
 class _LoraRows(ctypes.Structure):  # csrc/decode_layers.cpp's LoraRows
@@ -236,9 +236,9 @@ class FusedDecode:
             for layer_index, layer in enumerate(table.layers):
                 for which, name in enumerate(PROJECTIONS):
                     if name in layer:
-                        a_ptrs, b_ptrs, ranks = layer[name]
+                        a_ptrs, b_ptrs, descs = layer[name]
                         parts[layer_index * 4 + which] = _LoraPart(
-                            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(ranks)
+                            ctypes.addressof(a_ptrs), ctypes.addressof(b_ptrs), ctypes.addressof(descs)
                         )
             if len(self._lora_tables) >= MAX_LORA_TABLES:
                 del self._lora_tables[next(iter(self._lora_tables))]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -32,22 +32,34 @@ class LoraWeights:
 
     key: str  # NAME#DIGEST of its files (the prefix cache's salt)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    # The same, packed for the C++ kernel (`pack` below): per layer, per projection, (A, B, rank).
-    packed: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = field(default_factory=list)
+    # Per layer, per projection, each adapted part's (out offset, out size, rank offset, rank):
+    # where its block lies in the stacked B (the rest of B is zeros).
+    parts: list[dict[str, tuple[tuple[int, int, int, int], ...]]] = field(default_factory=list)
+    # For the C++ kernel (`pack` below): per layer, per projection, (the parts' blocks of B packed
+    # one after another, their layout as csrc/lora.cpp reads it); the kernel reads A from `layers`.
+    packed: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
     def pack(self, pack_panels: Callable[[torch.Tensor], torch.Tensor]) -> LoraWeights:
-        """A copy whose `packed` holds A [r', in] and B [out, r'] packed by `pack_panels` (the C++
-        kernels' packing for packed_gemm), r' rounded up to even for bfloat16's pairs."""
+        """A copy whose `packed` holds each part's block of B packed by `pack_panels` (the C++
+        kernels' panels), its rank rounded up to even in bfloat16 (a zero column: the same
+        update), and the int64 layout [R, parts, then per part: out offset, out size, rank
+        offset, rank, packed rank, offset in the packed tensor]."""
         packed = []
-        for layer in self.layers:
+        for layer, layer_parts in zip(self.layers, self.parts):
             entry = {}
             for name, (a, b) in layer.items():
-                rank = a.shape[0] + (a.shape[0] % 2 if a.dtype == torch.bfloat16 else 0)
-                if rank != a.shape[0]:  # a zero row of A and column of B: the same update
-                    a, b = torch.cat([a, a.new_zeros(1, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], 1)], 1)
-                entry[name] = (pack_panels(a), pack_panels(b.contiguous()), rank)
+                blocks, desc, offset = [], [a.shape[0], len(layer_parts[name])], 0
+                for out_offset, out_size, rank_offset, rank in layer_parts[name]:
+                    block = b[out_offset : out_offset + out_size, rank_offset : rank_offset + rank]
+                    padded = rank + (rank % 2 if b.dtype == torch.bfloat16 else 0)
+                    if padded != rank:
+                        block = torch.cat([block, block.new_zeros(out_size, padded - rank)], 1)
+                    blocks.append(pack_panels(block.contiguous()).reshape(-1))
+                    desc += [out_offset, out_size, rank_offset, rank, padded, offset]
+                    offset += blocks[-1].numel()
+                entry[name] = (torch.cat(blocks), torch.tensor(desc, dtype=torch.int64))
             packed.append(entry)
-        return LoraWeights(self.key, self.layers, packed)
+        return replace(self, packed=packed)
 
     @classmethod
     def build(
@@ -60,37 +72,41 @@ class LoraWeights:
     ) -> LoraWeights:
         """From per-layer, per-checkpoint-projection (A, scaled B) in float32; `out_features` gives
         every checkpoint projection's output size, for the zero blocks of parts left alone."""
-        fused_layers = []
+        fused_layers, fused_parts = [], []
         for parts in layers:
             fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            where: dict[str, tuple[tuple[int, int, int, int], ...]] = {}
             for name, members in FUSED_PARTS.items():
                 present = [m for m in members if m in parts]
                 if not present:
                     continue
                 a = torch.cat([parts[m][0] for m in present])
                 b = torch.zeros(sum(out_features[m] for m in members), a.shape[0])
-                row, col = 0, 0
+                row, col, blocks = 0, 0, []
                 for m in members:
                     if m in parts:
                         part_b = parts[m][1]
                         b[row : row + part_b.shape[0], col : col + part_b.shape[1]] = part_b
+                        blocks.append((row, part_b.shape[0], col, part_b.shape[1]))
                         col += part_b.shape[1]
                     row += out_features[m]
                 fused[name] = (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+                where[name] = tuple(blocks)
             fused_layers.append(fused)
-        return cls(key, fused_layers)
+            fused_parts.append(where)
+        return cls(key, fused_layers, fused_parts)
 
     @property
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for pair in layer.values() for t in pair]
-        tensors += [t for layer in self.packed for a, b, _ in layer.values() for t in (a, b)]
+        tensors += [b for layer in self.packed for b, _ in layer.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(frozen=True)
 class KernelTable:
     """A set of adapters as the C++ kernel takes them: per layer, per projection, arrays of their
-    packed A and B addresses (null for an adapter that leaves the projection alone) and ranks.  It
+    A, packed B and layout addresses (null for an adapter that leaves the projection alone).  It
     holds the adapters, so the addresses stay valid while it lives."""
 
     keys: tuple[str, ...]
@@ -104,14 +120,15 @@ class KernelTable:
         for index in range(len(adapters[0].packed)):
             entry = {}
             for name in FUSED_PARTS:
-                parts = [a.packed[index].get(name) for a in adapters]
-                if all(part is None for part in parts):
+                if all(name not in a.packed[index] for a in adapters):
                     continue
-                a_ptrs, b_ptrs, ranks = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_int64 * n)()
-                for i, part in enumerate(parts):
-                    if part is not None:
-                        a_ptrs[i], b_ptrs[i], ranks[i] = part[0].data_ptr(), part[1].data_ptr(), part[2]
-                entry[name] = (a_ptrs, b_ptrs, ranks)
+                a_ptrs, b_ptrs, descs = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+                for i, adapter in enumerate(adapters):
+                    if name in adapter.packed[index]:
+                        packed_b, desc = adapter.packed[index][name]
+                        a_ptrs[i] = adapter.layers[index][name][0].data_ptr()
+                        b_ptrs[i], descs[i] = packed_b.data_ptr(), desc.data_ptr()
+                entry[name] = (a_ptrs, b_ptrs, descs)
             layers.append(entry)
         return cls(tuple(a.key for a in adapters), tuple(adapters), layers)
 

@@ -60,13 +60,13 @@ struct DecodeLayer {
 };
 
 // A step's LoRA adapters (pagedllm/layers/lora.py's KernelTable): per layer, per projection (qkv,
-// o, gate_up, down) one packed A and B address and a rank per adapter of the step (a null: no
+// o, gate_up, down) one A, packed B and layout address per adapter of the step (a null: no
 // adapter of the step touches it), and the rows under an adapter, sorted by adapter, with each
 // one's place in those arrays.  Each projection's update is csrc/lora.cpp's lora_add.
 struct LoraPart {
   const void* const* a;
   const void* const* b;
-  const int64_t* ranks;
+  const void* const* descs;
 };
 struct LoraRows {
   const LoraPart* parts;  // [layers][4]
@@ -100,7 +100,7 @@ struct DecodeShape {
                                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, \
                                        int64_t, int64_t);                                                          \
   void lora_add_##SUFFIX(const T*, T*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,                \
-                         const void* const*, const void* const*, const int64_t*);                                  \
+                         const void* const*, const void* const*, const void* const*);                               \
   }                                                                                                                \
   struct Kernels_##SUFFIX {                                                                                        \
     using KV = T; /* the KV cache's element */                                                                     \
@@ -186,7 +186,7 @@ void add_lora(const LoraRows* lora, int64_t layer, int which, const T* x, T* y, 
   if (lora == nullptr || lora->count == 0) return;
   const LoraPart& part = lora->parts[layer * 4 + which];
   if (part.a == nullptr) return;
-  K::lora_add(x, y, lora->order, lora->adapter_of, lora->count, k, n, part.a, part.b, part.ranks);
+  K::lora_add(x, y, lora->order, lora->adapter_of, lora->count, k, n, part.a, part.b, part.descs);
 }
 
 // residual += delta, element by element in float and rounded once, as torch's add_ does.

@@ -1,15 +1,22 @@
 // LoRA updates of a step's rows, each under its own adapter, in one call per projection:
 //   y[row] += B_a (A_a x[row])   for every row listed in `order`, a = adapter_of[i]
-// Each adapter's A [rank, in] and B [out, rank] are packed for `packed_gemm` (csrc/small_gemm.cpp,
-// panels of 32 output columns; bfloat16 in pairs of k) once, when the adapter is loaded
-// (pagedllm/layers/lora.py), and the step passes one pointer per adapter: no copy of any weight
-// per step.  An adapter that leaves the projection alone has a null pointer; its rows are skipped.
+// Each adapter passes three addresses (pagedllm/layers/lora.py's KernelTable), set up once when
+// it is loaded, so a step copies no weight:
+//   a:    its A, [R, in] row by row (R: the ranks of the parts it adapts, stacked);
+//   b:    its B, each adapted part's block [out_p, r_p] on its own, packed for `panel_rows`
+//         (panels of 32 output columns; bfloat16 in pairs of k, r_p rounded up to even);
+//   desc: int64 [R, parts, then per part: out_offset, out_size, rank_offset, rank, packed rank,
+//         offset in b].
+// A fused projection's parts (q, k, v; gate, up) each read only their own block of B: the zeros
+// between the blocks of the stacked B are never stored or multiplied, and A's rows are read once
+// each, not padded to a panel.  An adapter that leaves the projection alone has a null `a`.
 //
 // The rows come sorted by adapter; the work items are runs of up to kPanelRows rows of one
-// adapter, gathered into a small buffer: the shrink (t = x A^T) and the expand (u = t B^T) run on
-// panel_gemm.h's register tile, which streams each panel of the adapter's weights once for all the
-// run's rows, and u is added to the rows of y.  In bfloat16 t is rounded to bfloat16 between the
-// two (as transformers+PEFT's bfloat16 matmuls round it), u added to y in float32 and rounded once.
+// adapter, gathered into a small buffer.  The shrink (t = x A^T) is a dot product per row and
+// rank; the expand (u = t B_p^T, part by part) runs on panel_gemm.h's register tile, which
+// streams each panel once for all the run's rows; u is added to the parts' columns of y.  In
+// bfloat16 t is rounded to bfloat16 between the two (as transformers+PEFT's bfloat16 matmuls
+// round it), u added to y in float32 and rounded once.
 #include <omp.h>
 
 #include <algorithm>
@@ -20,10 +27,58 @@
 namespace pagedllm {
 namespace {
 
+constexpr int64_t kDescHead = 2, kDescPart = 6;
+constexpr int64_t kDotRows = 4;  // rows of x per pass over a row of A
+
+#if defined(__AVX512F__)
+// 16 lanes of float32, or 16 pairs of bfloat16, from p (n of them valid, n < a full vector: masked).
+inline __m512 load_lanes(const float* p, int64_t n) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline __m512 load_lanes(const bf16* p, int64_t n) {
+  if (n >= 32) return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p));
+}
+
+// t[r * ldt] = x[r] . a for kDotRows rows of x (row stride `in`).
+template <typename E>
+inline void dot_rows(const typename E::T* x, int64_t in, const typename E::T* a, typename E::T* t, int64_t ldt,
+                     int64_t rows) {
+  constexpr int64_t width = 16 * E::step;
+  __m512 acc[kDotRows];
+  for (int r = 0; r < kDotRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; i += width) {
+    const int64_t n = std::min(width, in - i);
+    const __m512 w = load_lanes(a + i, n);
+    for (int r = 0; r < kDotRows; ++r) acc[r] = E::madd(acc[r], w, load_lanes(x + r * in + i, n));
+  }
+  for (int64_t r = 0; r < rows; ++r) t[r * ldt] = from_float<typename E::T>(_mm512_reduce_add_ps(acc[r]));
+}
+#else
+template <typename E>
+inline void dot_rows(const float* x, int64_t in, const float* a, float* t, int64_t ldt, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < in; ++i) sum += x[r * in + i] * a[i];
+    t[r * ldt] = sum;
+  }
+}
+#endif
+
+// t [n, rank] = xs [n, in] A^T, A [rank, in]; xs has rows up to a multiple of kDotRows (zeros past n).
+template <typename E>
+void shrink(const typename E::T* xs, int64_t n, int64_t in, const typename E::T* a, int64_t rank,
+            typename E::T* t) {
+  for (int64_t j = 0; j < rank; ++j)
+    for (int64_t r = 0; r < n; r += kDotRows)
+      dot_rows<E>(xs + r * in, in, a + j * in, t + r * rank + j, rank, std::min(kDotRows, n - r));
+}
+
 template <typename E>
 void lora_add(const typename E::T* x, typename E::T* y, const int64_t* order, const int64_t* adapter_of,
-              int64_t count, int64_t in, int64_t out, const void* const* a_packed, const void* const* b_packed,
-              const int64_t* ranks) {
+              int64_t count, int64_t in, int64_t out, const void* const* a_rows, const void* const* b_packed,
+              const void* const* descs) {
   using T = typename E::T;
   std::vector<int64_t> starts;  // runs of up to kPanelRows consecutive entries of one adapter
   for (int64_t i = 0; i < count; ++i)
@@ -31,30 +86,43 @@ void lora_add(const typename E::T* x, typename E::T* y, const int64_t* order, co
   const int64_t items = static_cast<int64_t>(starts.size());
   starts.push_back(count);
   int64_t max_rank = 0;
-  for (int64_t i = 0; i < count; ++i) max_rank = std::max(max_rank, ranks[adapter_of[i]]);
+  for (int64_t i = 0; i < count; ++i)
+    if (a_rows[adapter_of[i]] != nullptr)
+      max_rank = std::max(max_rank, static_cast<const int64_t*>(descs[adapter_of[i]])[0]);
+  constexpr int64_t buffer_rows = (kPanelRows + kDotRows - 1) / kDotRows * kDotRows;
 #pragma omp parallel if (items > 1)
   {
-    std::vector<T> xs(static_cast<size_t>(kPanelRows * in)), t(static_cast<size_t>(kPanelRows * max_rank)),
-        u(static_cast<size_t>(kPanelRows * out));
+    std::vector<T> xs(static_cast<size_t>(buffer_rows * in)), t(static_cast<size_t>(kPanelRows * max_rank)),
+        tp(static_cast<size_t>(kPanelRows * (max_rank + 1))), u(static_cast<size_t>(kPanelRows * out));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t first = starts[item], n = starts[item + 1] - first, adapter = adapter_of[first];
-      const T* a = static_cast<const T*>(a_packed[adapter]);
-      const T* b = static_cast<const T*>(b_packed[adapter]);
+      const T* a = static_cast<const T*>(a_rows[adapter]);
       if (a == nullptr) continue;
-      const int64_t rank = ranks[adapter];
+      const T* b = static_cast<const T*>(b_packed[adapter]);
+      const int64_t* desc = static_cast<const int64_t*>(descs[adapter]);
+      const int64_t rank = desc[0], parts = desc[1];
       for (int64_t i = 0; i < n; ++i) std::copy(x + order[first + i] * in, x + (order[first + i] + 1) * in, &xs[i * in]);
-      for (int64_t p = 0; p * kPanel < rank; ++p)
-        panel_rows<E>(xs.data(), n, in, a + p * in * kPanel, t.data() + p * kPanel, rank,
-                      std::min(kPanel, rank - p * kPanel));
-      for (int64_t p = 0; p * kPanel < out; ++p)
-        panel_rows<E>(t.data(), n, rank, b + p * rank * kPanel, u.data() + p * kPanel, out,
-                      std::min(kPanel, out - p * kPanel));
-      for (int64_t i = 0; i < n; ++i) {
-        T* yr = y + order[first + i] * out;
-        const T* ur = &u[i * out];
+      std::fill(xs.begin() + n * in, xs.begin() + (n + kDotRows - 1) / kDotRows * kDotRows * in, T{});
+      shrink<E>(xs.data(), n, in, a, rank, t.data());
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t* part = desc + kDescHead + p * kDescPart;
+        const int64_t out_offset = part[0], out_size = part[1], rank_offset = part[2], part_rank = part[3],
+                      packed_rank = part[4];
+        const T* panels = b + part[5];
+        for (int64_t i = 0; i < n; ++i) {  // this part's ranks of t, and a zero for an odd bfloat16 rank
+          std::copy(&t[i * rank + rank_offset], &t[i * rank + rank_offset + part_rank], &tp[i * packed_rank]);
+          std::fill(&tp[i * packed_rank + part_rank], &tp[(i + 1) * packed_rank], T{});
+        }
+        for (int64_t c = 0; c * kPanel < out_size; ++c)
+          panel_rows<E>(tp.data(), n, packed_rank, panels + c * packed_rank * kPanel, u.data() + out_offset + c * kPanel,
+                        out, std::min(kPanel, out_size - c * kPanel));
+        for (int64_t i = 0; i < n; ++i) {
+          T* yr = y + order[first + i] * out + out_offset;
+          const T* ur = &u[i * out + out_offset];
 #pragma omp simd
-        for (int64_t j = 0; j < out; ++j) yr[j] = from_float<T>(to_float(yr[j]) + to_float(ur[j]));
+          for (int64_t j = 0; j < out_size; ++j) yr[j] = from_float<T>(to_float(yr[j]) + to_float(ur[j]));
+        }
       }
     }
   }
@@ -76,18 +144,18 @@ PAGEDLLM_API int64_t lora_add_available_bf16() {
 }
 
 PAGEDLLM_API void lora_add_f32(const float* x, float* y, const int64_t* order, const int64_t* adapter_of,
-                               int64_t count, int64_t in, int64_t out, const void* const* a_packed,
-                               const void* const* b_packed, const int64_t* ranks) {
-  pagedllm::lora_add<pagedllm::F32Panel>(x, y, order, adapter_of, count, in, out, a_packed, b_packed, ranks);
+                               int64_t count, int64_t in, int64_t out, const void* const* a_rows,
+                               const void* const* b_packed, const void* const* descs) {
+  pagedllm::lora_add<pagedllm::F32Panel>(x, y, order, adapter_of, count, in, out, a_rows, b_packed, descs);
 }
 
 PAGEDLLM_API void lora_add_bf16(const bf16* x, bf16* y, const int64_t* order, const int64_t* adapter_of,
-                                int64_t count, int64_t in, int64_t out, const void* const* a_packed,
-                                const void* const* b_packed, const int64_t* ranks) {
+                                int64_t count, int64_t in, int64_t out, const void* const* a_rows,
+                                const void* const* b_packed, const void* const* descs) {
 #if defined(__AVX512BF16__)
-  pagedllm::lora_add<pagedllm::BF16Panel>(x, y, order, adapter_of, count, in, out, a_packed, b_packed, ranks);
+  pagedllm::lora_add<pagedllm::BF16Panel>(x, y, order, adapter_of, count, in, out, a_rows, b_packed, descs);
 #else
-  (void)x, (void)y, (void)order, (void)adapter_of, (void)count, (void)in, (void)out, (void)a_packed, (void)b_packed,
-      (void)ranks;
+  (void)x, (void)y, (void)order, (void)adapter_of, (void)count, (void)in, (void)out, (void)a_rows, (void)b_packed,
+      (void)descs;
 #endif
 }
