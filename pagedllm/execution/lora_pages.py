@@ -7,8 +7,9 @@ so a run of n blocks is two contiguous spans in each of them (its K half and its
 l's tensors (its dense A and B, and B's parts packed for the C++ kernel) are written into the
 spans of the tensor layer l's cache lives in; layers that share a cache tensor (layer groups)
 share its spans.  Each tensor lies whole in one span, 64-byte aligned, in the first span with
-room.  n is the smallest run in which every tensor of every layer fits.  Block ids in a run never enter a request's block table
-(the pool holds them), so no KV write reaches them and no attention reads them.
+room.  n is the smallest run in which every tensor of every layer fits.  Block ids in a run
+never enter a request's block table (the pool holds them), so no KV write reaches them and no
+attention reads them.
 """
 
 from __future__ import annotations
