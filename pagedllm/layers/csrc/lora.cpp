@@ -20,6 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "panel_gemm.h"
@@ -28,7 +29,7 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kDescHead = 2, kDescPart = 6;
-constexpr int64_t kDotRows = 4;  // rows of x per pass over a row of A
+constexpr int64_t kDotRows = 4, kDotRanks = 4;  // rows of x and of A per pass over them
 
 #if defined(__AVX512F__)
 // 16 lanes of float32, or 16 pairs of bfloat16, from p (n of them valid, n < a full vector: masked).
@@ -40,29 +41,48 @@ inline __m512 load_lanes(const bf16* p, int64_t n) {
   return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p));
 }
 
-// t[r * ldt] = x[r] . a for kDotRows rows of x (row stride `in`).
+// t[r * rank + j] = x[r] . A[j] for kDotRows rows of x (row stride `in`) and the kDotRanks rows
+// of A from j0 (fewer at its end: the last row is repeated and not stored): 16 accumulators, so
+// each load of x or A feeds four products and no sum waits on the one before.
 template <typename E>
-inline void dot_rows(const typename E::T* x, int64_t in, const typename E::T* a, typename E::T* t, int64_t ldt,
-                     int64_t rows) {
+inline void dot_block(const typename E::T* x, int64_t in, const typename E::T* a, int64_t rank, int64_t j0,
+                      typename E::T* t, int64_t rows) {
   constexpr int64_t width = 16 * E::step;
-  __m512 acc[kDotRows];
-  for (int r = 0; r < kDotRows; ++r) acc[r] = _mm512_setzero_ps();
+  const typename E::T* ar[kDotRanks];
+#pragma GCC unroll 4
+  for (int q = 0; q < kDotRanks; ++q) ar[q] = a + std::min(j0 + q, rank - 1) * in;
+  __m512 acc[kDotRows][kDotRanks];
+#pragma GCC unroll 4
+  for (int r = 0; r < kDotRows; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < kDotRanks; ++q) acc[r][q] = _mm512_setzero_ps();
   for (int64_t i = 0; i < in; i += width) {
     const int64_t n = std::min(width, in - i);
-    const __m512 w = load_lanes(a + i, n);
-    for (int r = 0; r < kDotRows; ++r) acc[r] = E::madd(acc[r], w, load_lanes(x + r * in + i, n));
+    __m512 w[kDotRanks];
+#pragma GCC unroll 4
+    for (int q = 0; q < kDotRanks; ++q) w[q] = load_lanes(ar[q] + i, n);
+#pragma GCC unroll 4
+    for (int r = 0; r < kDotRows; ++r) {
+      const __m512 xv = load_lanes(x + r * in + i, n);
+#pragma GCC unroll 4
+      for (int q = 0; q < kDotRanks; ++q) acc[r][q] = E::madd(acc[r][q], w[q], xv);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) t[r * ldt] = from_float<typename E::T>(_mm512_reduce_add_ps(acc[r]));
+  const int64_t ranks = std::min(kDotRanks, rank - j0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t q = 0; q < ranks; ++q)
+      t[r * rank + j0 + q] = from_float<typename E::T>(_mm512_reduce_add_ps(acc[r][q]));
 }
 #else
 template <typename E>
-inline void dot_rows(const float* x, int64_t in, const float* a, float* t, int64_t ldt, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float sum = 0;
+inline void dot_block(const float* x, int64_t in, const float* a, int64_t rank, int64_t j0, float* t, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = j0; j < std::min(j0 + kDotRanks, rank); ++j) {
+      float sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < in; ++i) sum += x[r * in + i] * a[i];
-    t[r * ldt] = sum;
-  }
+      for (int64_t i = 0; i < in; ++i) sum += x[r * in + i] * a[j * in + i];
+      t[r * rank + j] = sum;
+    }
 }
 #endif
 
@@ -70,9 +90,9 @@ inline void dot_rows(const float* x, int64_t in, const float* a, float* t, int64
 template <typename E>
 void shrink(const typename E::T* xs, int64_t n, int64_t in, const typename E::T* a, int64_t rank,
             typename E::T* t) {
-  for (int64_t j = 0; j < rank; ++j)
+  for (int64_t j = 0; j < rank; j += kDotRanks)
     for (int64_t r = 0; r < n; r += kDotRows)
-      dot_rows<E>(xs + r * in, in, a + j * in, t + r * rank + j, rank, std::min(kDotRows, n - r));
+      dot_block<E>(xs + r * in, in, a, rank, j, t + r * rank, std::min(kDotRows, n - r));
 }
 
 template <typename E>
@@ -102,8 +122,8 @@ void lora_add(const typename E::T* x, typename E::T* y, const int64_t* order, co
       const T* b = static_cast<const T*>(b_packed[adapter]);
       const int64_t* desc = static_cast<const int64_t*>(descs[adapter]);
       const int64_t rank = desc[0], parts = desc[1];
-      for (int64_t i = 0; i < n; ++i) std::copy(x + order[first + i] * in, x + (order[first + i] + 1) * in, &xs[i * in]);
-      std::fill(xs.begin() + n * in, xs.begin() + (n + kDotRows - 1) / kDotRows * kDotRows * in, T{});
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * in], x + order[first + i] * in, in * sizeof(T));
+      std::memset(&xs[n * in], 0, ((n + kDotRows - 1) / kDotRows * kDotRows - n) * in * sizeof(T));
       shrink<E>(xs.data(), n, in, a, rank, t.data());
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t* part = desc + kDescHead + p * kDescPart;
@@ -111,8 +131,8 @@ void lora_add(const typename E::T* x, typename E::T* y, const int64_t* order, co
                       packed_rank = part[4];
         const T* panels = b + part[5];
         for (int64_t i = 0; i < n; ++i) {  // this part's ranks of t, and a zero for an odd bfloat16 rank
-          std::copy(&t[i * rank + rank_offset], &t[i * rank + rank_offset + part_rank], &tp[i * packed_rank]);
-          std::fill(&tp[i * packed_rank + part_rank], &tp[(i + 1) * packed_rank], T{});
+          std::memcpy(&tp[i * packed_rank], &t[i * rank + rank_offset], part_rank * sizeof(T));
+          std::memset(&tp[i * packed_rank + part_rank], 0, (packed_rank - part_rank) * sizeof(T));
         }
         for (int64_t c = 0; c * kPanel < out_size; ++c)
           panel_rows<E>(tp.data(), n, packed_rank, panels + c * packed_rank * kPanel, u.data() + out_offset + c * kPanel,
