@@ -235,7 +235,7 @@ class LayerLora:
 # adapter.  The C++ kernel takes steps of up to KERNEL_MAX_ROWS adapter rows (decode steps); longer
 # ones (prompt chunks) go adapter by adapter to the GEMMs, which are faster on many rows.
 MIN_BATCHED_FILL = 0.5
-KERNEL_MAX_ROWS = 64
+KERNEL_MAX_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)
