@@ -529,7 +529,8 @@ def test_every_way_of_adding_updates_gives_each_rows_own(monkeypatch, mode, dtyp
         adapter("b", 4, lora.FUSED_PARTS["qkv_proj"]),
         adapter("c", 3, ("k_proj",)),
     ]
-    rows = [adapters[0], None, adapters[1], adapters[0], adapters[2], adapters[1], adapters[0], None]
+    # 40 rows: an adapter's 15 rows take the kernel's runs of up to 12 (4 on AVX2) in pieces.
+    rows = [adapters[0], None, adapters[1], adapters[0], adapters[2], adapters[1], adapters[0], None] * 5
     step = lora.LoraStep.for_rows(rows, lora.LoraStack.build, kernel=kernel, table_of=lora.KernelTable.build)
     assert (step.batched is not None) == (mode != "grouped")
     assert (step.batched is not None and step.batched.kernel is not None) == (mode == "kernel")
