@@ -149,3 +149,16 @@ def test_cpu_class_hides_newer_flags_and_picks_the_dtype(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "sse2")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_CLASS"):
         cpu_flags()
+
+
+def test_a_class_hides_exactly_the_flags_its_run_leaves_out(monkeypatch):
+    """`hidden_cpu_flags` is what `.ci/run` reads to skip a class that is the CPU's own: the
+    visible and hidden flags together are the CPU's, and no flag is both."""
+    from pagedllm.layers.cpu_kernels import _proc_cpu_flags, cpu_flags, hidden_cpu_flags
+
+    monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "native")
+    assert hidden_cpu_flags() == []
+    monkeypatch.setenv("PAGEDLLM_CPU_CLASS", "avx2")
+    hidden, visible = set(hidden_cpu_flags()), set(cpu_flags().split())
+    assert hidden | visible == set(_proc_cpu_flags()) and not hidden & visible
+    assert ("avx512f" in hidden) == ("avx512f" in _proc_cpu_flags())
