@@ -462,10 +462,23 @@ def smollm2_adapter(hf_model, tmp_path_factory):
     return path, model
 
 
+_hf_replies: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
+def hf_greedy_once(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """hf_greedy, computed once per model and prompt for the module (both weight forms compare
+    against the same transformers replies)."""
+    key = (id(model), tuple(prompt), max_new_tokens)
+    if key not in _hf_replies:
+        _hf_replies[key] = hf_greedy(model, prompt, max_new_tokens)
+    return _hf_replies[key]
+
+
 @pytest.mark.parametrize("weights", ["dequantized", "native"])
 def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_adapter, hf_model, weights):
     from pagedllm.testing.hf_reference import first_divergence_is_a_near_tie
 
+    hf_greedy = hf_greedy_once
     path, reference = smollm2_adapter
     llm = LLM(dtype="float32", weights=weights, kv_cache_memory="256MiB", lora_modules=[f"tuned={path}"])
     chat = llm.tokenizer.apply_chat_template

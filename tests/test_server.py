@@ -689,8 +689,11 @@ def test_thirty_two_concurrent_mixed_requests_each_equal_itself_alone(server):
 
     together = asyncio.run(all_at_once())
     sync = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300)
-    alone = [sync.chat.completions.create(**body(i)).choices[0].message.content for i in range(32)]
-    assert together == alone
+    # Alone: two requests of each kind, spread over the batch (a leak shows in any row it reaches;
+    # all 32 alone took two thirds of the test's time, one request at a time).
+    checked = list(range(0, 32, 3))
+    alone = [sync.chat.completions.create(**body(i)).choices[0].message.content for i in checked]
+    assert [together[i] for i in checked] == alone
     for i in range(0, 32, len(kinds)):
         json.loads(together[i])  # the constrained ones parse
     assert_all_blocks_free(server)

@@ -20,6 +20,7 @@ Faults:
 A request whose `model` names a LoRA adapter is placed by its blocks' keys under that adapter
 (the replicas report each adapter's key with their events; replicas that loaded the same file
 under the same name agree on it), so requests for one adapter and prefix land together.
+Adapters loaded at run time through the front-end go to every replica (replicas/adapters.py).
 
 The front-end checks the client's API key itself (when it has one) and calls every replica with
 the replicas' own key (`replica_key`), which no client is given.
@@ -45,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from pagedllm.core.kv_cache_manager import adapter_salt
+from pagedllm.replicas.adapters import RuntimeAdapters
 from pagedllm.replicas.router import NoReplicaError, Placement, Router
 from pagedllm.serving.handlers import check_api_key
 from pagedllm.serving.openai_protocol import APIError
@@ -110,6 +112,7 @@ class Frontend:
             timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
         )
         self.headers = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
+        self.adapters = RuntimeAdapters(self.client, self.headers)
 
     def app(self, max_body_bytes: int) -> FastAPI:
         app = FastAPI(title="pagedllm (data parallel)", lifespan=self.lifespan, docs_url=None, redoc_url=None)
@@ -118,6 +121,8 @@ class Frontend:
         app.add_api_route("/v1/completions", self.forward, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.forward, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         app.add_api_route("/tokenize", self.any_replica, methods=["POST"])
         app.add_api_route("/detokenize", self.any_replica, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -164,6 +169,7 @@ class Frontend:
             state.addresses[i] = None  # ask where it is again: a restarted replica may have moved
             return
         if not router.replicas[i].live:
+            await self.adapters.replay(state.addresses[i])  # a restarted replica has its --lora flags only
             logger.info("replica %d is back after %.1f s", i, time.monotonic() - state.down_since.pop(i, 0.0))
             router.mark_up(i)
         router.apply_events(i, events)
@@ -271,6 +277,20 @@ class Frontend:
             self.router.finished(placement)
 
     # --- pages every replica answers alike, and the combined ones --------------------------
+
+    def live_addresses(self) -> list[str]:
+        return [a for a, view in zip(self.state.addresses, self.router.replicas) if a is not None and view.live]
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Every replica up loads the adapter, or none does (replicas/adapters.py)."""
+        if (refused := self.client_refused(request)) is not None:
+            return refused
+        return await self.adapters.load(self.live_addresses(), await request.body())
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        if (refused := self.client_refused(request)) is not None:
+            return refused
+        return await self.adapters.unload(self.live_addresses(), await request.body())
 
     def first_up(self) -> str | None:
         for i, address in enumerate(self.state.addresses):
