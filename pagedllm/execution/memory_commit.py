@@ -37,14 +37,18 @@ def _libc_madvise():
 
 
 def page_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """(start, length) of the whole pages inside each tensor's storage, in CHUNK_BYTES pieces."""
+    """(start, length) of every page that holds part of a tensor, in CHUNK_BYTES pieces.  The first
+    and last pages may hold other data too (the allocator aligns a tensor to 64 bytes, not to a
+    page): backing them changes nothing in them, and both are mapped, since the tensor is in them."""
     page = mmap.PAGESIZE
     ranges = []
     for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
-        start = (start + page - 1) // page * page
-        end = end // page * page
+        start = start // page * page
+        end = (end + page - 1) // page * page
         for at in range(start, end, CHUNK_BYTES):
             ranges.append((at, min(CHUNK_BYTES, end - at)))
     return ranges
