@@ -462,35 +462,37 @@ def smollm2_adapter(hf_model, tmp_path_factory):
     return path, model
 
 
-_hf_replies: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+@pytest.fixture(scope="module")
+def hf_replies(hf_model, smollm2_adapter):
+    """transformers' greedy replies, each computed once for the module: both weight forms compare
+    against the same ones (the models are the module's fixtures, so their ids stay theirs)."""
+    replies: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
 
+    def reply(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (id(model), tuple(prompt), max_new_tokens)
+        if key not in replies:
+            replies[key] = hf_greedy(model, prompt, max_new_tokens)
+        return replies[key]
 
-def hf_greedy_once(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """hf_greedy, computed once per model and prompt for the module (both weight forms compare
-    against the same transformers replies)."""
-    key = (id(model), tuple(prompt), max_new_tokens)
-    if key not in _hf_replies:
-        _hf_replies[key] = hf_greedy(model, prompt, max_new_tokens)
-    return _hf_replies[key]
+    return reply
 
 
 @pytest.mark.parametrize("weights", ["dequantized", "native"])
-def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_adapter, hf_model, weights):
+def test_real_smollm2_with_an_adapter_matches_transformers_with_peft(smollm2_adapter, hf_model, hf_replies, weights):
     from pagedllm.testing.hf_reference import first_divergence_is_a_near_tie
 
-    hf_greedy = hf_greedy_once
     path, reference = smollm2_adapter
     llm = LLM(dtype="float32", weights=weights, kv_cache_memory="256MiB", lora_modules=[f"tuned={path}"])
     chat = llm.tokenizer.apply_chat_template
     batch = [chat([{"role": "user", "content": q}]) for q in ("What is a hash table?", "Name three rivers.")]
     # Each prompt under the adapter and under the base model, all four in one batch.
     outputs = llm.generate(batch * 2, greedy(16), lora=["tuned", "tuned", None, None])
-    tuned = [hf_greedy(reference, prompt, 16) for prompt in batch]
-    assert tuned != [hf_greedy(hf_model, prompt, 16) for prompt in batch]  # the adapter changes the reply
+    tuned = [hf_replies(reference, prompt, 16) for prompt in batch]
+    assert tuned != [hf_replies(hf_model, prompt, 16) for prompt in batch]  # the adapter changes the reply
     for prompt, output, expected, model in zip(
         batch * 2, outputs, tuned + [None, None], [reference] * 2 + [hf_model] * 2
     ):
-        expected = expected or hf_greedy(model, prompt, 16)
+        expected = expected or hf_replies(model, prompt, 16)
         if weights == "dequantized":  # the same float32 weights: the same tokens
             assert output.token_ids == expected
         else:  # 4-bit blocks times int8-rounded activations: the base rows too first part at gaps near 0.7

@@ -169,7 +169,9 @@ class Frontend:
             state.addresses[i] = None  # ask where it is again: a restarted replica may have moved
             return
         if not router.replicas[i].live:
-            await self.adapters.replay(state.addresses[i])  # a restarted replica has its --lora flags only
+            # A restarted replica has its --lora flags only.  Awaited here, so that it takes no request
+            # before it has them; the other replicas' polls wait while its adapters load.
+            await self.adapters.replay(state.addresses[i])
             logger.info("replica %d is back after %.1f s", i, time.monotonic() - state.down_since.pop(i, 0.0))
             router.mark_up(i)
         router.apply_events(i, events)
