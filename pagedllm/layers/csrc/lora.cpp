@@ -38,9 +38,9 @@ inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(c + at);
 }
+#if defined(__AVX512F__)
 constexpr int64_t kDotRows = 4, kDotRanks = 4;  // rows of x and of A per pass over them
 
-#if defined(__AVX512F__)
 // 16 lanes of float32, or 16 pairs of bfloat16, from p (n of them valid, n < a full vector: masked).
 inline __m512 load_lanes(const float* p, int64_t n) {
   return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
@@ -82,7 +82,46 @@ inline void dot_block(const typename E::T* x, int64_t in, const typename E::T* a
     for (int64_t q = 0; q < ranks; ++q)
       t[r * rank + j0 + q] = from_float<typename E::T>(_mm512_reduce_add_ps(acc[r][q]));
 }
+#elif defined(__AVX2__)
+// AVX2 (float32 only: bfloat16 runs where AVX512-BF16 is): the same blocks in 8 lanes, 4 rows by
+// 2 ranks, so 8 sums are in flight (11 of the 16 registers).  A loop of one row and one rank
+// waited on each add (one chain of fused multiply-adds) and read A at a fifth of the memory's rate.
+constexpr int64_t kDotRows = 4, kDotRanks = 2;
+
+inline __m256 load_lanes(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, mask);
+}
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename E>
+inline void dot_block(const float* x, int64_t in, const float* a, int64_t rank, int64_t j0, float* t, int64_t rows) {
+  const float* ar[kDotRanks];
+  for (int q = 0; q < kDotRanks; ++q) ar[q] = a + std::min(j0 + q, rank - 1) * in;
+  __m256 acc[kDotRows][kDotRanks];
+  for (int r = 0; r < kDotRows; ++r)
+    for (int q = 0; q < kDotRanks; ++q) acc[r][q] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in; i += 8) {
+    const int64_t n = std::min<int64_t>(8, in - i);
+    __m256 w[kDotRanks];
+    for (int q = 0; q < kDotRanks; ++q) w[q] = load_lanes(ar[q] + i, n);
+    for (int r = 0; r < kDotRows; ++r) {
+      const __m256 xv = load_lanes(x + r * in + i, n);
+      for (int q = 0; q < kDotRanks; ++q) acc[r][q] = _mm256_fmadd_ps(w[q], xv, acc[r][q]);
+    }
+  }
+  const int64_t ranks = std::min(kDotRanks, rank - j0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t q = 0; q < ranks; ++q) t[r * rank + j0 + q] = sum_lanes(acc[r][q]);
+}
 #else
+constexpr int64_t kDotRows = 4, kDotRanks = 4;
+
 template <typename E>
 inline void dot_block(const float* x, int64_t in, const float* a, int64_t rank, int64_t j0, float* t, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r)
