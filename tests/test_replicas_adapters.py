@@ -116,3 +116,66 @@ def test_with_no_replica_up_a_load_is_a_503():
     frontend.mark_down(1)
     reply = client.post(LOAD, json={"lora_name": "a", "lora_path": "/a"}, headers=KEY)
     assert reply.status_code == 503 and "no replica is up" in reply.json()["error"]["message"]
+
+
+def test_a_load_in_flight_while_a_replica_comes_back_reaches_it():
+    """The comeback's replay waits for a load under way (one lock), so the replica that comes back
+    is given the new adapter too, never marked up with the adapters it had before the load."""
+    replicas = Replicas()
+    frontend, _ = frontend_over(replicas)
+    frontend.mark_down(1)
+    frontend.state.addresses = list(ADDRESSES)
+
+    async def run() -> None:
+        arrived, release = asyncio.Event(), asyncio.Event()
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == LOAD and request.url.host == "r0":
+                arrived.set()
+                await release.wait()  # r0 takes its time loading "c"
+            return replicas.handle(request)
+
+        frontend.client = frontend.adapters.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        load = asyncio.create_task(frontend.adapters.load(json.dumps({"lora_name": "c", "lora_path": "/c"}).encode()))
+        await arrived.wait()
+        comeback = asyncio.create_task(frontend.poll(1))
+        await asyncio.sleep(0.05)
+        assert not frontend.router.replicas[1].live  # waits for the load
+        release.set()
+        assert (await load).status_code == 200
+        await comeback
+
+    asyncio.run(run())
+    assert frontend.router.replicas[1].live
+    assert replicas.loaded == {"http://r0": {"c"}, "http://r1": {"c"}}
+
+
+def test_a_replica_out_of_reach_during_an_unload_unloads_when_it_is_back():
+    """A replica that does not answer an unload is marked down and, back, unloads the adapter
+    before it takes requests; so does one that was down and kept it, or restarted with the
+    adapter in its --lora flags."""
+    replicas = Replicas()
+    frontend, client = frontend_over(replicas)
+    for name in ("a", "b"):
+        assert client.post(LOAD, json={"lora_name": name, "lora_path": f"/{name}"}, headers=KEY).status_code == 200
+    unreachable: set[str] = {"r1"}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host in unreachable:
+            raise httpx.ConnectError("no route to host", request=request)
+        return replicas.handle(request)
+
+    frontend.client = frontend.adapters.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    assert client.post(UNLOAD, json={"lora_name": "a"}, headers=KEY).status_code == 200
+    assert not frontend.router.replicas[1].live  # did not answer: down
+    assert replicas.loaded == {"http://r0": {"b"}, "http://r1": {"a", "b"}}
+    assert client.post(UNLOAD, json={"lora_name": "b"}, headers=KEY).status_code == 200  # r1 down: not asked
+    unreachable.clear()
+    replicas.loaded["http://r1"] = {"a", "b"}  # as if restarted with --lora a=... b=...
+    asyncio.run(frontend.poll(1))
+    assert frontend.router.replicas[1].live and replicas.loaded == {"http://r0": set(), "http://r1": set()}
+    assert client.post(LOAD, json={"lora_name": "a", "lora_path": "/a"}, headers=KEY).status_code == 200
+    frontend.mark_down(0)
+    replicas.loaded["http://r0"] = set()  # restarted with no flags
+    asyncio.run(frontend.poll(0))  # "a" is loaded again (no longer among the unloaded), "b" unloads (404)
+    assert replicas.loaded == {"http://r0": {"a"}, "http://r1": {"a"}}

@@ -11,6 +11,13 @@ adapter refuses (409) while the others unload it: the client gets the 409 and re
 request is done (a replica that unloaded it already answers the retry with 404, which then
 counts as done).  Until the retry, requests for it reach only replicas that still hold it, or
 get a 404 from one that does not.
+
+A replica that does not answer a load or an unload is marked down, as one that does not answer
+a request is, and every adapter unloaded through the front-end is unloaded on it again when it
+comes back (with those loaded, given again), so that it holds what the others hold whether it
+was restarted (and has its --lora flags again) or was only out of reach.  Loads, unloads and a
+replica's return take one lock: a load never runs while a replica comes back, so it either
+reaches that replica or is among those given to it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import httpx
 from fastapi.responses import JSONResponse, Response
@@ -45,22 +53,37 @@ def _unavailable(message: str) -> JSONResponse:
 
 
 class RuntimeAdapters:
-    """The adapters loaded through the front-end (name -> the load's body, in load order)."""
+    """The adapters loaded through the front-end (name -> the load's body, in load order) and
+    those unloaded through it; `live` lists the addresses of the replicas up, `lost` marks the
+    replica at an address down."""
 
-    def __init__(self, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
-        self.client, self.headers = client, headers
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        headers: dict[str, str],
+        live: Callable[[], list[str]],
+        lost: Callable[[str], None],
+    ) -> None:
+        self.client, self.headers, self.live, self.lost = client, headers, live, lost
         self.loaded: dict[str, bytes] = {}
+        self.unloaded: set[str] = set()
+        self.lock = asyncio.Lock()
 
     async def post(self, address: str, path: str, raw: bytes) -> httpx.Response | None:
-        """The replica's reply, or None where it could not be reached."""
+        """The replica's reply, or None where it could not be reached (it is then marked down)."""
         headers = {"content-type": "application/json"} | self.headers
         try:
             return await self.client.post(address + path, content=raw, headers=headers, timeout=300.0)
         except httpx.HTTPError as error:
             logger.warning("replica at %s did not answer %s (%s)", address, path, error)
+            self.lost(address)
             return None
 
-    async def load(self, addresses: list[str], raw: bytes) -> Response:
+    async def load(self, raw: bytes) -> Response:
+        async with self.lock:
+            return await self._load(self.live(), raw)
+
+    async def _load(self, addresses: list[str], raw: bytes) -> Response:
         if not addresses:
             return _unavailable("no replica is up")
         replies = await asyncio.gather(*(self.post(a, LOAD, raw) for a in addresses))
@@ -68,17 +91,24 @@ class RuntimeAdapters:
         name = _lora_name(raw)
         if not failed and name is not None:
             self.loaded[name] = raw
+            self.unloaded.discard(name)
             return _reply(replies[0])
         loaded = [a for a, r in zip(addresses, replies) if r is not None and r.status_code == 200]
         if loaded and name is not None:  # all or none: those that took it give it back
             undo = json.dumps({"lora_name": name}).encode()
             await asyncio.gather(*(self.post(a, UNLOAD, undo) for a in loaded))
+        if name is not None and any(r is None for r in replies) and name not in self.loaded:
+            self.unloaded.add(name)  # a replica out of reach may have loaded it: undone when it is back
         address, reply = failed[0] if failed else (addresses[0], replies[0])
         if reply is None:
             return _unavailable(f"the replica at {address} was lost while loading the adapter; nothing was loaded")
         return _reply(reply)
 
-    async def unload(self, addresses: list[str], raw: bytes) -> Response:
+    async def unload(self, raw: bytes) -> Response:
+        async with self.lock:
+            return await self._unload(self.live(), raw)
+
+    async def _unload(self, addresses: list[str], raw: bytes) -> Response:
         if not addresses:
             return _unavailable("no replica is up")
         replies = await asyncio.gather(*(self.post(a, UNLOAD, raw) for a in addresses))
@@ -86,6 +116,7 @@ class RuntimeAdapters:
         done = [r for r in answered if r.status_code == 200]
         if done and (name := _lora_name(raw)) is not None:
             self.loaded.pop(name, None)
+            self.unloaded.add(name)  # a replica down now (or out of reach) unloads it when it is back
         in_use = [r for r in answered if r.status_code == 409]
         if in_use:
             return _reply(in_use[0])
@@ -93,10 +124,25 @@ class RuntimeAdapters:
             return _reply(done[0])
         return _reply(answered[0]) if answered else _unavailable("no replica answered the unload")
 
-    async def replay(self, address: str) -> None:
-        """Give a replica that came back every adapter loaded through the front-end."""
-        for name, raw in list(self.loaded.items()):
-            reply = await self.post(address, LOAD, raw)
-            if reply is None or (reply.status_code != 200 and "loaded already" not in reply.text):
-                status = "no answer" if reply is None else f"{reply.status_code} {reply.text[:300]}"
-                logger.warning("replica at %s did not load adapter %r again: %s", address, name, status)
+    async def replay(self, address: str, then: Callable[[], None]) -> bool:
+        """Bring a replica that came back to what the others hold: every adapter unloaded through
+        the front-end unloaded (a 404 means it never had it), every one loaded given again; then
+        `then()` (it is marked up) before the lock is let go.  False, and no `then()`, where the
+        replica stopped answering meanwhile."""
+        async with self.lock:
+            for name in sorted(self.unloaded):
+                reply = await self.post(address, UNLOAD, json.dumps({"lora_name": name}).encode())
+                if reply is None:
+                    return False
+                if reply.status_code not in (200, 404):
+                    status = f"{reply.status_code} {reply.text[:300]}"
+                    logger.warning("replica at %s kept adapter %r: %s", address, name, status)
+            for name, raw in list(self.loaded.items()):
+                reply = await self.post(address, LOAD, raw)
+                if reply is None:
+                    return False
+                if reply.status_code != 200 and "loaded already" not in reply.text:
+                    status = f"{reply.status_code} {reply.text[:300]}"
+                    logger.warning("replica at %s did not load adapter %r again: %s", address, name, status)
+            then()
+            return True

@@ -112,7 +112,7 @@ class Frontend:
             timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
         )
         self.headers = {"authorization": f"Bearer {replica_key}"} if replica_key else {}
-        self.adapters = RuntimeAdapters(self.client, self.headers)
+        self.adapters = RuntimeAdapters(self.client, self.headers, self.live_addresses, self.mark_address_down)
 
     def app(self, max_body_bytes: int) -> FastAPI:
         app = FastAPI(title="pagedllm (data parallel)", lifespan=self.lifespan, docs_url=None, redoc_url=None)
@@ -171,10 +171,20 @@ class Frontend:
         if not router.replicas[i].live:
             # A restarted replica has its --lora flags only.  Awaited here, so that it takes no request
             # before it has them; the other replicas' polls wait while its adapters load.
-            await self.adapters.replay(state.addresses[i])
-            logger.info("replica %d is back after %.1f s", i, time.monotonic() - state.down_since.pop(i, 0.0))
-            router.mark_up(i)
+            if not await self.adapters.replay(state.addresses[i], lambda: self.mark_up(i)):
+                state.addresses[i] = None  # lost again while its adapters were given back: tried anew
+                return
         router.apply_events(i, events)
+
+    def mark_up(self, i: int) -> None:
+        logger.info("replica %d is back after %.1f s", i, time.monotonic() - self.state.down_since.pop(i, 0.0))
+        self.router.mark_up(i)
+
+    def mark_address_down(self, address: str) -> None:
+        for i, known in enumerate(self.state.addresses):
+            if known == address and self.router.replicas[i].live:
+                logger.warning("replica %d is down (it did not answer an adapter load or unload)", i)
+                self.mark_down(i)
 
     def mark_down(self, i: int) -> None:
         self.router.mark_down(i)
@@ -287,12 +297,12 @@ class Frontend:
         """Every replica up loads the adapter, or none does (replicas/adapters.py)."""
         if (refused := self.client_refused(request)) is not None:
             return refused
-        return await self.adapters.load(self.live_addresses(), await request.body())
+        return await self.adapters.load(await request.body())
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         if (refused := self.client_refused(request)) is not None:
             return refused
-        return await self.adapters.unload(self.live_addresses(), await request.body())
+        return await self.adapters.unload(await request.body())
 
     def first_up(self) -> str | None:
         for i, address in enumerate(self.state.addresses):
