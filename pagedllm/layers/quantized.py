@@ -274,13 +274,20 @@ def pack(weight: QuantizedWeight, panel: int, unsigned8: bool) -> PackedWeight:
     else:  # quad j in the low nibbles, quad j + 4 in the high ones
         low = q & 0x0F
         parts = [(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(panels, blocks, -1)]
+        # The high bits are gathered with byte-wide shifts and ors (disjoint bits, so no carries):
+        # widening them to int32 and summing took 2.4 s of a 1B Q4_K_M file's 19 s start on AVX2.
+        high = q >> 4
         if weight.bits == 5:  # byte (column, i): bit j is the fifth bit of value 4j + i
-            fifth = (q >> 4).to(torch.int32) << torch.arange(8, dtype=torch.int32).reshape(1, 1, 8, 1, 1)
-            parts.append(fifth.sum(dim=2).to(torch.uint8).reshape(panels, blocks, -1))
+            fifth = high[:, :, 0].clone()
+            for j in range(1, 8):
+                fifth |= high[:, :, j] << j
+            parts.append(fifth.reshape(panels, blocks, -1))
         if weight.bits == 6:  # plane h's byte (column, i): bits 2j, 2j + 1 hold value 4(4h + j) + i's top pair
-            pairs = (q >> 4).to(torch.int32).reshape(panels, blocks, 2, 4, panel, 4)
-            pairs = pairs << (2 * torch.arange(4, dtype=torch.int32)).reshape(1, 1, 1, 4, 1, 1)
-            parts.append(pairs.sum(dim=3).to(torch.uint8).reshape(panels, blocks, -1))
+            pairs = high.reshape(panels, blocks, 2, 4, panel, 4)
+            plane = pairs[:, :, :, 0].clone()
+            for j in range(1, 4):
+                plane |= pairs[:, :, :, j] << (2 * j)
+            parts.append(plane.reshape(panels, blocks, -1))
         qs = torch.cat(parts, dim=-1).reshape(panels, -1)
 
     def by_panel(t: torch.Tensor | None) -> torch.Tensor | None:
