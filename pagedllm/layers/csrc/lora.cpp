@@ -85,7 +85,8 @@ inline void dot_block(const typename E::T* x, int64_t in, const typename E::T* a
 #elif defined(__AVX2__)
 // AVX2 (float32 only: bfloat16 runs where AVX512-BF16 is): the same blocks in 8 lanes, 4 rows by
 // 2 ranks, so 8 sums are in flight (11 of the 16 registers).  A loop of one row and one rank
-// waited on each add (one chain of fused multiply-adds) and read A at a fifth of the memory's rate.
+// waited on each add (one chain of fused multiply-adds): on a 2-core AVX2 EPYC, float32, the
+// kernel over SmolLM2's layers at 32 rows of 8 rank-16 adapters took 17.0 ms before, 13.1 after.
 constexpr int64_t kDotRows = 4, kDotRanks = 2;
 
 inline __m256 load_lanes(const float* p, int64_t n) {
