@@ -93,6 +93,25 @@ def test_integer_gemm_matches_the_reference(kind, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("kind", NATIVE_TYPES)
+def test_integer_gemm_holds_at_the_largest_values(kind):
+    # Every bit set: the largest values, sub-scales and high bits a file can hold, against the
+    # largest quantized activations (all 127): the kernels' int16 and int32 sums must not wrap.
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.full((20 * 512 // block_values, block_bytes), 0xFF, np.uint8)
+    for offset in _HALF_FIELDS[kind]:
+        raw[:, offset : offset + 2] = np.full((raw.shape[0], 1), 0.01, np.float16).view(np.uint8)
+    weight = repack(raw.reshape(20, -1), kind, 20, 512)
+    packed = pack(weight, KERNELS.quant_panel_width, KERNELS.quant_unsigned8)
+    dense = weight.dequantize()
+    for x in (torch.ones(4, 512), -torch.ones(4, 512)):
+        got = QuantizedLinear([packed], KERNELS, max_rows=64)(x)
+        want = x @ dense.T
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max(), kind
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantized_rows_and_transpose_are_exact(kind, dtype):
     weight = repack(random_tensor(kind, 40, 256, seed=2), kind, 40, 256)

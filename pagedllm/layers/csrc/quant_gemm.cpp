@@ -236,6 +236,24 @@ struct Isa {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
   static I abs8(I v) { return _mm256_abs_epi8(v); }
+  // u[i] * s[i] + u[i + 1] * s[i + 1] in each int16 (u unsigned, s signed), and int16 sums
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  // a[2i] * w[2i] + a[2i + 1] * w[2i + 1] in each int32
+  static I madd(I a, I w) { return _mm256_madd_epi16(a, w); }
+  static I ones16() { return _mm256_set1_epi16(1); }
+  static I sra16(I v, int n) { return _mm256_sra_epi16(v, _mm_cvtsi32_si128(n)); }
+  // The 8 int8 at p, value c as 256 * p[c] in both int16 halves of int32 lane c: a madd weight
+  // that multiplies a column's pair sums by its sub-scale (times 256: a shuffle places the byte
+  // in the high half, which keeps its sign without a widening).
+  static I sub_scales16(const int8_t* p) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    const __m256i z = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3,  //
+                                       -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7);
+    return _mm256_shuffle_epi8(_mm256_set1_epi64x(v), z);
+  }
   static I fifth(I h, int bit) {
     const I shifted = bit < 4 ? _mm256_slli_epi16(h, 4 - bit) : _mm256_srli_epi16(h, bit - 4);
     return _mm256_and_si256(shifted, _mm256_set1_epi8(0x10));
@@ -319,7 +337,19 @@ inline int32_t panel_value(const uint8_t* blk, int64_t bits, int64_t c, int64_t 
 // asking past the weight's end is harmless.
 constexpr int64_t kPrefetchBytes = 2048;
 // out[r][c] = x row (row0 + r) . column c of the panel, for R rows.
-template <int Bits, int Group, int R>
+// Without VNNI's one-instruction dot, 4- and 5-bit blocks in groups of 32 keep maddubs' int16
+// pair sums across the block's quads (vpaddw) and widen them once (vpmaddwd), by the group's
+// sub-scale where the type has one (Fold: Q4_K, Q5_K, whose zero point is 0).  A 4-bit
+// maddubs sum is at most 2 * 15 * 127 = 3,810, so a block's eight sum to 30,480 and fit int16;
+// 5-bit ones (7,874) go four and four into two sets.  The dot per quad was maddubs, madd, add
+// (three instructions, one a multiply); this is maddubs and add, with one madd a block.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kInt16Sums = true;
+#else
+constexpr bool kInt16Sums = false;
+#endif
+
+template <int Bits, int Group, int R, bool Fold = false>
 void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x, int64_t row0, int64_t k,
                 float (*out)[kPanel]) {
   using V = Isa;
@@ -347,6 +377,48 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
         sum[r] = V::set32(z + m + r);
       }
     };
+#if defined(__AVX2__) && !defined(__AVX512F__)  // kInt16Sums: Isa's int16 helpers are AVX2's
+    if constexpr ((Bits == 4 || Bits == 5) && Group == 32) {
+      constexpr int kSets = Bits == 4 ? 1 : 2;  // int16 sums per row: quads 0..3 and 4..7 apart for 5-bit
+      typename V::I pairs[kSets][R];
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I lo = small_quad<Bits>(blk, j), hi = small_quad<Bits>(blk, j + 4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* row = rows + r * kBlock;
+          const typename V::I a = V::maddubs(lo, V::broadcast(row + 4 * j));
+          const typename V::I c = V::maddubs(hi, V::broadcast(row + 16 + 4 * j));
+          if constexpr (kSets == 1) {
+            pairs[0][r] = j == 0 ? V::add16(a, c) : V::add16(pairs[0][r], V::add16(a, c));
+          } else {
+            pairs[0][r] = j == 0 ? a : V::add16(pairs[0][r], a);
+            pairs[1][r] = j == 0 ? c : V::add16(pairs[1][r], c);
+          }
+        }
+      }
+      if constexpr (Fold) {
+        // Sub-scales times 256 (times 128 for 5-bit, whose two madds are summed): every int32
+        // stays under 2^31 (2 * 30,480 * 32,768 for 4-bit).
+        typename V::I w = V::sub_scales16(ps.sub_scales + b * kPanel);
+        if constexpr (kSets == 2) w = V::sra16(w, 1);
+        const typename V::F super =
+            V::mul(V::halves(ps.scales + ps.super_at(b)), V::fset(kSets == 1 ? 1.f / 256 : 1.f / 128));
+        for (int r = 0; r < R; ++r) {
+          typename V::I s32 = V::madd(pairs[0][r], w);
+          if constexpr (kSets == 2) s32 = V::add32(s32, V::madd(pairs[1][r], w));
+          acc[r] = V::fmadd(V::to_float(s32), V::mul(super, V::fset(d[r])), acc[r]);
+        }
+      } else {
+        const typename V::I ones = V::ones16();
+        const typename V::F scale = scale_vector(ps, b);
+        for (int r = 0; r < R; ++r) {
+          typename V::I s32 = V::add32(V::madd(pairs[0][r], ones), V::set32(z + r));
+          if constexpr (kSets == 2) s32 = V::add32(s32, V::madd(pairs[1][r], ones));
+          acc[r] = V::fmadd(V::to_float(s32), V::mul(scale, V::fset(d[r])), acc[r]);
+        }
+      }
+      continue;
+    }
+#endif
     if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
@@ -433,7 +505,18 @@ template <int Bits, int Group>
 void panel_rows(const uint8_t* wq, const PanelScales& ps, int32_t zero, const QuantizedRows& x, int64_t row0,
                 int64_t rows, int64_t k, float (*out)[kPanel]) {
 #if defined(__AVX2__)
-  (void)zero;  // folded into QuantizedRows' zero_sums
+  // zero is folded into QuantizedRows' zero_sums; sub-scales into the int16 sums' madd where
+  // the type's zero point is 0 (Q4_K, Q5_K)
+  if constexpr (kInt16Sums && (Bits == 4 || Bits == 5) && Group == 32) {
+    if (ps.sub_scales != nullptr && zero == 0) {
+      switch (rows) {
+        case 1: return panel_tile<Bits, Group, 1, true>(wq, ps, x, row0, k, out);
+        case 2: return panel_tile<Bits, Group, 2, true>(wq, ps, x, row0, k, out);
+        case 3: return panel_tile<Bits, Group, 3, true>(wq, ps, x, row0, k, out);
+        default: return panel_tile<Bits, Group, 4, true>(wq, ps, x, row0, k, out);
+      }
+    }
+  }
 #define PAGEDLLM_TILE(R) panel_tile<Bits, Group, R>(wq, ps, x, row0, k, out)
 #else
 #define PAGEDLLM_TILE(R) panel_tile<Bits, Group, R>(wq, ps, zero, x, row0, k, out)
