@@ -361,6 +361,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
   const int32_t* zs = x.zero_sums.data() + row0;
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  [[maybe_unused]] typename V::F super = V::fzero();  // Fold: the super-group's scales (over 256 or 128)
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = wq + b * block_bytes(Bits);
     for (int64_t line = 0; line < block_bytes(Bits); line += 64) __builtin_prefetch(blk + kPrefetchBytes + line, 0, 3);
@@ -400,8 +401,8 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
         // stays under 2^31 (2 * 30,480 * 32,768 for 4-bit).
         typename V::I w = V::sub_scales16(ps.sub_scales + b * kPanel);
         if constexpr (kSets == 2) w = V::sra16(w, 1);
-        const typename V::F super =
-            V::mul(V::halves(ps.scales + ps.super_at(b)), V::fset(kSets == 1 ? 1.f / 256 : 1.f / 128));
+        if ((b & ((int64_t{1} << ps.super_shift) - 1)) == 0)  // a super-group's first block
+          super = V::mul(V::halves(ps.scales + ps.super_at(b)), V::fset(kSets == 1 ? 1.f / 256 : 1.f / 128));
         for (int r = 0; r < R; ++r) {
           typename V::I s32 = V::madd(pairs[0][r], w);
           if constexpr (kSets == 2) s32 = V::add32(s32, V::madd(pairs[1][r], w));
@@ -463,7 +464,20 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
     const typename V::F scale = scale_vector(ps, Group == 16 ? 2 * b + 1 : b);  // the block's (last) group
     for (int r = 0; r < R; ++r) acc[r] = V::fmadd(V::to_float(sum[r]), V::mul(scale, V::fset(d[r])), acc[r]);
   }
-  if (ps.mins != nullptr) {
+  if (ps.mins != nullptr && ps.sub_mins != nullptr) {
+    // Sub-mins times each group's x sum over a super-group, then its float16 min once.
+    const int64_t per_super = int64_t{1} << ps.super_shift;
+    for (int64_t g0 = 0; g0 < groups; g0 += per_super) {
+      typename V::F part[R];
+      for (int r = 0; r < R; ++r) part[r] = V::fzero();
+      for (int64_t g = g0; g < g0 + per_super; ++g) {
+        const typename V::F sub = V::bytes(ps.sub_mins + g * kPanel);
+        for (int r = 0; r < R; ++r) part[r] = V::fmadd(sub, V::fset(xs[g * m + r]), part[r]);
+      }
+      const typename V::F super = V::halves(ps.mins + ps.super_at(g0));
+      for (int r = 0; r < R; ++r) acc[r] = V::fmadd(part[r], super, acc[r]);
+    }
+  } else if (ps.mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
       const typename V::F mins = min_vector(ps, g);
       for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::fset(xs[g * m + r]), acc[r]);
