@@ -19,6 +19,7 @@ from pagedllm.layers.quantized import (
     PackedWeight,
     QuantizedLinear,
     QuantizedWeight,
+    _pack_values,
     onednn_blocked_layout,
     pack,
     quantized_embedding,
@@ -89,6 +90,24 @@ def test_integer_gemm_matches_the_reference(kind, dtype):
         # and close to the float product: activation quantization costs well under 2%
         exact = x.float() @ dense.T
         assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", NATIVE_TYPES)
+def test_the_kernels_pack_the_bytes_torch_packs(kind):
+    weight = repack(random_tensor(kind, 70, 512, seed=3), kind, 70, 512)  # 70: a partial last panel
+    panel = KERNELS.quant_panel_width
+    fast = pack(weight, panel, KERNELS.quant_unsigned8, KERNELS)
+    reference = pack(weight, panel, KERNELS.quant_unsigned8)
+    assert fast.zero == reference.zero
+    assert all(torch.equal(a, b) for a, b in zip(fast.tensors(), reference.tensors(), strict=True))
+    if weight.bits == 8:  # the VNNI builds' q + 128, on any build
+        flipped = KERNELS.pack_quantized_values(weight.qs, 70, 512, 8, True)
+        assert torch.equal(flipped, _pack_values(weight, -(-70 // panel), panel, 512 // 32, True))
+    with pytest.raises(ValueError, match="pack_quantized_values"):
+        KERNELS.pack_quantized_values(weight.qs[:, :-1].contiguous(), 70, 512, weight.bits, False)
+    with pytest.raises(ValueError, match="not the kernels' layout"):
+        pack(weight, panel * 2, KERNELS.quant_unsigned8, KERNELS)
 
 
 @needs_kernels

@@ -49,6 +49,7 @@ _SOURCES = (
     "decode_layers.cpp",
     "quant_gemm.cpp",
     "quant_amx.cpp",
+    "quant_pack.cpp",
     "lora.cpp",
 )
 _HEADERS = ("common.h", "avx2.h", "avx512.h", "amx.h", "quant_layout.h", "softmax.h")
@@ -320,6 +321,8 @@ class CpuKernels:
         global _first_out_of_range
         _first_out_of_range = library.first_out_of_range
         _first_out_of_range.argtypes, _first_out_of_range.restype = [_P, _I, _I, _I], ctypes.c_int64
+        self._pack_values = library.quant_pack_values
+        self._pack_values.argtypes, self._pack_values.restype = [_P, _P] + [_I] * 5, None
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # The dtypes `lora_add` runs in this build (bfloat16 needs AVX512-BF16, as packed_gemm).
@@ -621,6 +624,21 @@ class CpuKernels:
             raise ValueError(f"quant_gemm: x {tuple(x.shape)}, weight [{w.rows}, {w.cols}], out {tuple(out.shape)}")
         y = _ptr(out) + col * out.element_size()
         self._fn(name, x.dtype)(_ptr(x), y, m, out.shape[1], ctypes.addressof(w.struct))
+
+    def pack_quantized_values(self, qs: torch.Tensor, rows: int, cols: int, bits: int, flip8: bool) -> torch.Tensor:
+        """A QuantizedWeight's `qs` [rows, cols / 32 * (16 for 4-bit, else 32)] (uint8) in the
+        panel layout of this build, [panels, cols / 32 * panel block bytes], rows past the last
+        zero (csrc/quant_pack.cpp); flip8: 8-bit values stored as q + 128."""
+        _check(qs)
+        per_block = 16 if bits == 4 else 32
+        expected = (rows, cols // 32 * per_block)
+        if bits not in (4, 5, 6, 8) or cols % 32 or qs.dtype != torch.uint8 or tuple(qs.shape) != expected:
+            shape = f"qs {tuple(qs.shape)} {qs.dtype} for [{rows}, {cols}] of {bits} bits"
+            raise ValueError(f"pack_quantized_values: {shape}")
+        panel = self.quant_panel_width
+        out = torch.empty(-(-rows // panel), cols * panel * bits // 8, dtype=torch.uint8)
+        self._pack_values(_ptr(qs), _ptr(out), rows, cols, bits, panel, int(flip8))
+        return out
 
     def quant_amx_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:
         """`quant_gemm` on AMX tiles, for bfloat16 x where `quant_amx` (csrc/quant_amx.cpp)."""

@@ -42,11 +42,6 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16)
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """q [blocks, 32] in 0..15 -> [blocks, 16] bytes: value i low, value i + 16 high."""
-    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
-
-
 def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     """ggml's nibble order for a 32-value block: byte i holds value i (low) and i + 16 (high)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
@@ -70,7 +65,9 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class _Decoded:
-    q: np.ndarray  # [count * values / 32, 32]: uint8 for 4, 5 and 6 bits, int8 for 8
+    # [count * values / 32, 16] for 4 bits, as QuantizedWeight keeps them (byte i: value i low,
+    # value i + 16 high); else [count * values / 32, 32]: uint8 for 5 and 6 bits, int8 for 8
+    q: np.ndarray
     bits: int
     zero: int
     scales: np.ndarray  # float16 [count, values / super_group]
@@ -83,9 +80,9 @@ class _Decoded:
 def _decode(blocks: np.ndarray, kind: str) -> _Decoded:
     """A type's blocks [count, bytes], decoded as QuantizedWeight keeps them."""
     n = blocks.shape[0]
-    if kind in ("Q4_0", "Q4_1"):
+    if kind in ("Q4_0", "Q4_1"):  # ggml's nibble order is QuantizedWeight's
         d = _f16(blocks[:, 0:2])
-        q = _unpack_nibbles(blocks[:, -16:])
+        q = blocks[:, -16:]
         return _Decoded(q, 4, 8, d) if kind == "Q4_0" else _Decoded(q, 4, 0, d, _f16(blocks[:, 2:4]))
     if kind in ("Q5_0", "Q5_1"):
         d = _f16(blocks[:, 0:2])
@@ -98,12 +95,14 @@ def _decode(blocks: np.ndarray, kind: str) -> _Decoded:
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _k_scales(blocks[:, 4:16])
         qs = blocks[:, -128:].reshape(n, 4, 32)  # 32 bytes hold sub-blocks 2g (low) and 2g + 1 (high)
+        if kind == "Q4_K":  # re-nibbled straight into QuantizedWeight's order: no byte a value
+            first, second = qs[:, :, :16], qs[:, :, 16:]
+            q = np.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=2)
+            return _Decoded(q.reshape(n * 8, 16), 4, 0, d, -dmin, sc, mn, super_group=256)
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
-        if kind == "Q5_K":  # byte l of qh holds bit 4 of value l in every sub-block j, at bit j
-            qh = blocks[:, 16:48]
-            q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
-        bits = 4 if kind == "Q4_K" else 5
-        return _Decoded(q.reshape(n * 8, 32), bits, 0, d, -dmin, sc, mn, super_group=256)
+        qh = blocks[:, 16:48]  # byte l holds bit 4 of value l in every sub-block j, at bit j
+        q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        return _Decoded(q.reshape(n * 8, 32), 5, 0, d, -dmin, sc, mn, super_group=256)
     if kind == "Q6_K":
         ql, qh = blocks[:, 0:128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
         sc = blocks[:, 192:208].view(np.int8)
@@ -128,7 +127,7 @@ def repack(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantizedWeight
     if blocks.shape[0] != rows * cols // block_values:
         raise ValueError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold [{rows}, {cols}]")
     decoded = _decode(blocks, kind)
-    qs = _pack_nibbles(decoded.q) if decoded.bits == 4 else decoded.q.view(np.uint8)
+    qs = decoded.q.view(np.uint8)
     mins, sub_mins = decoded.mins, decoded.sub_mins
     if mins is not None and not (mins.astype(np.float32) * (1 if sub_mins is None else sub_mins)).any():
         mins = sub_mins = None  # every min 0: the kernels skip the term
