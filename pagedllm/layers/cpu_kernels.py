@@ -322,7 +322,7 @@ class CpuKernels:
         _first_out_of_range = library.first_out_of_range
         _first_out_of_range.argtypes, _first_out_of_range.restype = [_P, _I, _I, _I], ctypes.c_int64
         self._pack_values = library.quant_pack_values
-        self._pack_values.argtypes, self._pack_values.restype = [_P, _P] + [_I] * 5, None
+        self._pack_values.argtypes, self._pack_values.restype = [_P, _P] + [_I] * 4, None
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # The dtypes `lora_add` runs in this build (bfloat16 needs AVX512-BF16, as packed_gemm).
@@ -637,7 +637,7 @@ class CpuKernels:
             raise ValueError(f"pack_quantized_values: {shape}")
         panel = self.quant_panel_width
         out = torch.empty(-(-rows // panel), cols * panel * bits // 8, dtype=torch.uint8)
-        self._pack_values(_ptr(qs), _ptr(out), rows, cols, bits, panel, int(flip8))
+        self._pack_values(_ptr(qs), _ptr(out), rows, cols, bits, int(flip8))
         return out
 
     def quant_amx_gemm(self, x: torch.Tensor, w, out: torch.Tensor, col: int = 0) -> None:

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common.h"
+#include "quant_layout.h"
 
 namespace {
 
@@ -30,19 +30,15 @@ inline void block_values(const uint8_t* qs, int64_t row, int64_t b, int64_t bloc
     for (int j = 0; j < 32; ++j) v[j] ^= 0x80;  // q + 128 for a signed byte q
 }
 
-// Bytes of one panel's block (quant_layout.h's block_bytes for this panel width).
-inline int64_t panel_block_bytes(int64_t bits, int64_t panel) {
-  return panel * (bits == 4 ? 16 : bits == 5 ? 20 : bits == 6 ? 24 : 32);
-}
-
 }  // namespace
 
-// qs [rows, cols / 32 * (16 for 4-bit, else 32)] -> out [ceil(rows / panel), cols / 32 * panel
-// block bytes]; rows past the last are zero bytes.  flip8: 8-bit values stored as q + 128.
+// qs [rows, cols / 32 * (16 for 4-bit, else 32)] -> out [ceil(rows / kPanel), cols / 32 *
+// block_bytes(bits)]; rows past the last are zero bytes.  flip8: 8-bit values stored as q + 128.
 PAGEDLLM_API void quant_pack_values(const uint8_t* qs, uint8_t* out, int64_t rows, int64_t cols, int64_t bits,
-                                    int64_t panel, int64_t flip8) {
+                                    int64_t flip8) {
+  constexpr int64_t panel = pagedllm::kPanel;
   const int64_t blocks = cols / 32, panels = (rows + panel - 1) / panel;
-  const int64_t per_block = panel_block_bytes(bits, panel);
+  const int64_t per_block = pagedllm::block_bytes(bits);
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     uint8_t v[32];
