@@ -23,8 +23,13 @@ Scenarios:
   `llama_decode`; `--llama-cpp-split-kv` gives each sequence its own share of the cache, as
   llama-server does when `-np N` is given.
 For one request the report also gives the machine's read bandwidth (a 1 GiB tensor summed,
-median of 7), the bytes a token reads (the file's tensors; of an untied embedding table one
-row), the ceiling `bandwidth / bytes` and each engine's decode as a fraction of it.
+median of 7, before the rounds), the bytes a token reads (the file's tensors; of an untied
+embedding table one row), the ceiling `bandwidth / bytes` and each engine's decode as a fraction
+of it.  On a shared machine the bandwidth drifts from minute to minute (a 2-core VM read 22 to
+45 GB/s within the hour), so each one-request run also sums the tensor three times just before
+its engine starts and three times just after it is freed, and the fraction is also taken run by
+run against the median of those six (`<engine>_fraction_of_own_ceiling`: median, min and max
+over the rounds).
 Greedy, EOS ignored.  Each round starts every engine afresh; each runs its scenario once untimed
 with at most 8 tokens out (warm-up, on prompts whose first token differs, so that the timed run
 finds none of its prompt already computed) and once timed; rounds rotate which engine goes first, and
@@ -51,6 +56,7 @@ from pagedllm.benchmarking.compare import (
     package_version,
     paired_ratio,
     read_bandwidth_gbs,
+    spread,
     summarize,
 )
 from pagedllm.benchmarking.datasets import load_workload
@@ -246,7 +252,10 @@ class LlamaCppBatch:
         self.lc.llama_model_free(self.model)
 
 
-FIGURES = ("decode_tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_median_ms", "startup_s", "weight_mib")
+FIGURES = (
+    "decode_tokens_per_s", "output_tokens_per_s", "ttft_s", "itl_median_ms", "startup_s", "weight_mib",
+    "read_bandwidth_gbs",
+)  # fmt: skip
 
 
 def leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -299,11 +308,16 @@ def main() -> int:
 
         def engine_run(name: str, requests=requests, streams=streams):
             def run() -> dict:
+                # the bandwidth as this run met it, read just before and just after it (module doc)
+                bandwidth = read_bandwidth_gbs(repeats=3)["runs"] if len(requests) == 1 else []
                 if name == "llama_cpp":
                     unified = not args.llama_cpp_split_kv
                     figures, streams[name] = run_llamacpp(str(gguf), requests, args.threads, unified)
                 else:
                     figures, streams[name] = run_pagedllm(configs[name], requests)
+                if bandwidth:
+                    bandwidth += read_bandwidth_gbs(repeats=3)["runs"]
+                    figures["read_bandwidth_gbs"] = statistics.median(bandwidth)
                 return figures
 
             return run
@@ -325,7 +339,16 @@ def main() -> int:
             for name in args.engines:
                 median = entry[name]["decode_tokens_per_s"]["median"]
                 entry[f"{name}_fraction_of_ceiling"] = round(median / ceiling, 3)
-                print(f"{scenario} {name}: {median} tok/s, {median / ceiling:.0%} of the ceiling", flush=True)
+                per_run = [
+                    one["decode_tokens_per_s"] * report["bytes_read_per_token"] / (one["read_bandwidth_gbs"] * 1e9)
+                    for one in runs[name]
+                ]
+                entry[f"{name}_fraction_of_own_ceiling"] = spread(per_run)
+                print(
+                    f"{scenario} {name}: {median} tok/s, {median / ceiling:.0%} of the ceiling; "
+                    f"{format_spread('run by run', entry[f'{name}_fraction_of_own_ceiling'])} of each run's own",
+                    flush=True,
+                )
         entry["runs"] = runs
         report[scenario] = entry
         for name, figures in entry.items():

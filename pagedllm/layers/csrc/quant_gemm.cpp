@@ -243,6 +243,7 @@ struct Isa {
   // a[2i] * w[2i] + a[2i + 1] * w[2i + 1] in each int32
   static I madd(I a, I w) { return _mm256_madd_epi16(a, w); }
   static I ones16() { return _mm256_set1_epi16(1); }
+  static I set16(int16_t v) { return _mm256_set1_epi16(v); }
   static I sra16(I v, int n) { return _mm256_sra_epi16(v, _mm_cvtsi32_si128(n)); }
   // The 8 int8 at p, value c as 256 * p[c] in both int16 halves of int32 lane c: a madd weight
   // that multiplies a column's pair sums by its sub-scale (times 256: a shuffle places the byte
@@ -419,6 +420,32 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
       }
       continue;
     }
+    if constexpr (Bits == 6 && Group == 16 && Fold) {
+      // Q6_K: per group of 16, quads 0+1 and 2+3 in int16 (each maddubs at most 2 * 63 * 127 =
+      // 16,002, so two fit), widened by the group's sub-scale times 32 (sub_scales16's 256, over
+      // 8); the zero point's -32 * (the group's x sum) comes in as one more madd of the pair
+      // (-16 * x sum, itself at most 16 * 16 * 127 = 32,512) with the same weight.  A group's
+      // int32 is at most 3 * 2 * 32,512 * 4,096 < 2^30, a block's two under 2^31.
+      if ((b & ((int64_t{1} << (ps.super_shift - 1)) - 1)) == 0)  // a super-group's first block
+        super = V::mul(V::halves(ps.scales + ps.super_at(2 * b)), V::fset(1.f / 32));
+      typename V::I s32[R];
+      for (int h = 0; h < 2; ++h) {  // the block's two groups
+        const typename V::I w = V::sra16(V::sub_scales16(ps.sub_scales + (2 * b + h) * kPanel), 3);
+        const typename V::I u0 = small_quad<6>(blk, 4 * h), u1 = small_quad<6>(blk, 4 * h + 1);
+        const typename V::I u2 = small_quad<6>(blk, 4 * h + 2), u3 = small_quad<6>(blk, 4 * h + 3);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* row = rows + r * kBlock + 16 * h;
+          const typename V::I p0 = V::add16(V::maddubs(u0, V::broadcast(row)), V::maddubs(u1, V::broadcast(row + 4)));
+          const typename V::I p1 =
+              V::add16(V::maddubs(u2, V::broadcast(row + 8)), V::maddubs(u3, V::broadcast(row + 12)));
+          const typename V::I zero_pair = V::set16(static_cast<int16_t>(z[h * m + r] / 2));
+          const typename V::I g = V::add32(V::add32(V::madd(p0, w), V::madd(p1, w)), V::madd(zero_pair, w));
+          s32[r] = h == 0 ? g : V::add32(s32[r], g);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r] = V::fmadd(V::to_float(s32[r]), V::mul(super, V::fset(d[r])), acc[r]);
+      continue;
+    }
 #endif
     if constexpr (Bits == 8) {
       for (int j = 0; j < 8; ++j) {
@@ -520,9 +547,9 @@ void panel_rows(const uint8_t* wq, const PanelScales& ps, int32_t zero, const Qu
                 int64_t rows, int64_t k, float (*out)[kPanel]) {
 #if defined(__AVX2__)
   // zero is folded into QuantizedRows' zero_sums; sub-scales into the int16 sums' madd where
-  // the type's zero point is 0 (Q4_K, Q5_K)
-  if constexpr (kInt16Sums && (Bits == 4 || Bits == 5) && Group == 32) {
-    if (ps.sub_scales != nullptr && zero == 0) {
+  // the type has them (Q4_K, Q5_K: zero point 0; Q6_K: 32, taken into the madd too)
+  if constexpr (kInt16Sums && ((Bits == 4 || Bits == 5) && Group == 32 || Bits == 6 && Group == 16)) {
+    if (ps.sub_scales != nullptr && zero == (Bits == 6 ? 32 : 0)) {
       switch (rows) {
         case 1: return panel_tile<Bits, Group, 1, true>(wq, ps, x, row0, k, out);
         case 2: return panel_tile<Bits, Group, 2, true>(wq, ps, x, row0, k, out);
