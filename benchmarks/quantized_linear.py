@@ -15,6 +15,12 @@ from memory as in the engine.  The ways, alternated round by round:
 - `dense`: the dequantized weights as the engine holds them with `weights=dequantized` (oneDNN
   with its packed copy, the small-batch kernels where they run).
 Median ms per pass (min-max).  `QuantizedLinear`'s row limit comes from these crossovers.
+
+Where a step turns from reading weights to arithmetic (many rows), the `int` path's rate is also
+given as integer multiply-adds a second (rows x every weight's rows x cols, over its median time)
+and as a share of this machine's peak for them: the instruction the integer kernels are built on
+(VNNI's vpdpbusd, else vpmaddubsw with vpaddw) issued back to back from registers on every thread
+(`CpuKernels.int8_multiply_add_peak`), measured before the rows and again after them.
 """
 
 from __future__ import annotations
@@ -75,7 +81,11 @@ def main() -> None:
     }
     what = args.model + (" without its LM head" if args.no_head else "")
     print(f"{cpu_summary()}; {dtype}; {what}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>22}" for name in ways) + f" {'int/dense':>10}")
+    peak = kernels.int8_multiply_add_peak()
+    print(f"integer multiply-add peak: {peak / 1e9:.1f} G/s (all threads, from registers)")
+    macs_per_row = sum(w.shape[0] * w.shape[1] for parts in quantized for w in parts)
+    header = " ".join(f"{name + ' ms':>22}" for name in ways)
+    print(f"{'rows':>5} {header} {'int/dense':>10} {'int G mult-add/s':>17} {'of peak':>8}")
     for m in args.rows:
         x = torch.randn(m, config.hidden_size).to(dtype)
         inputs = {id(w): torch.randn(m, w[0].cols).to(dtype) for w in quantized}
@@ -89,7 +99,11 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) * 1e3)
         cells = [f"{statistics.median(t):9.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]
         ratio = statistics.median(times["dense"]) / statistics.median(times["int"])
-        print(f"{m:>5} " + " ".join(f"{c:>22}" for c in cells) + f" {ratio:>9.2f}x")
+        rate = m * macs_per_row / (statistics.median(times["int"]) / 1e3)
+        share = f"{rate / peak:.0%}" if peak else "-"
+        print(f"{m:>5} " + " ".join(f"{c:>22}" for c in cells) + f" {ratio:>9.2f}x {rate / 1e9:>17.1f} {share:>8}")
+    if peak:
+        print(f"integer multiply-add peak after the rows: {kernels.int8_multiply_add_peak() / 1e9:.1f} G/s")
 
 
 if __name__ == "__main__":

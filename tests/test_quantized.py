@@ -247,6 +247,16 @@ def test_the_integer_path_gives_each_row_what_it_gives_that_row_alone():
     assert all(torch.equal(together[i], linear(x[i : i + 1])[0]) for i in (0, 255, 256, 1029, 2047, 2050))
 
 
+@needs_kernels
+def test_the_integer_peak_counts_every_threads_multiply_adds():
+    # benchmarks/quantized_linear.py divides this count by the call's time: each of the pool's
+    # threads does 12 chains of one vector of byte products a round
+    threads = torch.get_num_threads()
+    vector_bytes = KERNELS.quant_panel_width * 4
+    assert KERNELS._peak(1000) == threads * 1000 * 12 * vector_bytes
+    assert KERNELS.int8_multiply_add_peak(iterations=10_000, repeats=1) > 0
+
+
 def test_quantized_weight_checks_its_shapes():
     half = torch.float16
     with pytest.raises(ValueError, match="no quantized layout"):

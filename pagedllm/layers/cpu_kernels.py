@@ -323,6 +323,8 @@ class CpuKernels:
         _first_out_of_range.argtypes, _first_out_of_range.restype = [_P, _I, _I, _I], ctypes.c_int64
         self._pack_values = library.quant_pack_values
         self._pack_values.argtypes, self._pack_values.restype = [_P, _P] + [_I] * 4, None
+        self._peak = library.int8_multiply_add_peak
+        self._peak.argtypes, self._peak.restype = [_I], ctypes.c_int64
         self._workspace = library.decode_layers_workspace
         self._workspace.argtypes, self._workspace.restype = [_P], ctypes.c_int64
         # The dtypes `lora_add` runs in this build (bfloat16 needs AVX512-BF16, as packed_gemm).
@@ -676,6 +678,19 @@ class CpuKernels:
 
     def _dequantize(self, w, ids: int | None, count: int, out: int, dtype: torch.dtype) -> None:
         self._fn("dequantize_rows", dtype)(ctypes.addressof(w.struct), ids, count, out)
+
+    def int8_multiply_add_peak(self, iterations: int = 2_000_000, repeats: int = 5) -> float:
+        """Integer multiply-adds a second that the quantized kernels' instruction reaches on every
+        thread at once with its operands in registers (csrc/quant_gemm.cpp): the machine's peak
+        against which a compute-bound step is read.  The median of `repeats` timed calls; 0.0 where
+        the build has no AVX2."""
+        self._peak(iterations // 10)  # wakes the threads and raises the clock first
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            done = self._peak(iterations)
+            rates.append(done / (time.perf_counter() - start))
+        return sorted(rates)[len(rates) // 2]
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for float32 or bfloat16 x [rows, cols] (cols >= 1): the first index

@@ -179,6 +179,19 @@ struct Isa {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
   }
+  // The peak's step (int8_multiply_add_peak): the integer multiply-add the kernels build on, into
+  // int32 sums with VNNI, else into the int16 pair sums maddubs gives.  Written in asm because
+  // GCC 12 wraps a loop of independent vpdpbusd intrinsics in two register copies each, and
+  // would hoist a maddubs of operands that never change.
+  static I peak_step(I acc, I u, I s) {
+#if defined(__AVX512VNNI__)
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+#else
+    I t;
+    asm("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+v"(acc), "=&v"(t) : "v"(u), "v"(s));
+#endif
+    return acc;
+  }
   static I abs8(I v) { return _mm512_abs_epi8(v); }
   // bit `bit` of every byte of h moved to bit 4 (the fifth bit of a 5-bit value), the rest 0
   static I fifth(I h, int bit) {
@@ -234,6 +247,11 @@ struct Isa {
   static I set32(const int32_t* p) { return _mm256_set1_epi32(*p); }
   static I dot(I acc, I u, I s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I peak_step(I acc, I u, I s) {  // as AVX-512's above, in asm for the same reasons
+    I t;
+    asm("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(u), "x"(s));
+    return acc;
   }
   static I abs8(I v) { return _mm256_abs_epi8(v); }
   // u[i] * s[i] + u[i + 1] * s[i + 1] in each int16 (u unsigned, s signed), and int16 sums
@@ -722,11 +740,50 @@ void dequantize_any(const QuantWeight& w, const int64_t* ids, int64_t count, T* 
   return dequantize_transposed<T, 8>(w, out, count);
 }
 
+#if defined(__AVX2__)
+// One thread's share of the integer peak: Isa::peak_step issued back to back into kPeakChains
+// independent sums (more than its latency times its issue rate), its operands in registers, so
+// that only the multiply-add's issue rate bounds it: no memory, no unpacking, no scaling.  Returns the multiply-adds done (one per byte of a vector a step).
+constexpr int kPeakChains = 12;
+int64_t int8_peak_thread(int64_t iterations) {
+  Isa::I acc[kPeakChains];
+  for (int c = 0; c < kPeakChains; ++c) acc[c] = Isa::set32(&c);  // unequal, so no two chains merge
+  const int8_t quad[4] = {1, 2, 3, 4};
+  const Isa::I u = Isa::broadcast(quad), x = Isa::broadcast(quad);
+  for (int64_t i = 0; i < iterations; ++i)
+    for (auto& a : acc) a = Isa::peak_step(a, u, x);
+  alignas(64) int32_t lanes[sizeof(Isa::I) / 4];
+  int64_t sink = 0;
+  for (auto& a : acc) {
+    std::memcpy(lanes, &a, sizeof(a));
+    sink += lanes[0];
+  }
+  asm volatile("" : : "r"(sink));
+  return iterations * kPeakChains * static_cast<int64_t>(sizeof(Isa::I));
+}
+#endif
+
 }  // namespace
 }  // namespace pagedllm
 
 using pagedllm::bf16;
 using pagedllm::QuantWeight;
+
+// The integer kernels' peak on this machine: every thread of the pool runs `iterations` rounds of
+// the multiply-add they are built on (VNNI's vpdpbusd, else vpmaddubsw with vpaddw), from
+// registers.  Returns the multiply-adds done by all threads, to be divided by the call's wall time
+// (benchmarks/quantized_linear.py); 0 where the build has no AVX2 (plain C++, no peak to speak of).
+PAGEDLLM_API int64_t int8_multiply_add_peak(int64_t iterations) {
+#if defined(__AVX2__)
+  int64_t total = 0;
+#pragma omp parallel reduction(+ : total)
+  total += pagedllm::int8_peak_thread(iterations);
+  return total;
+#else
+  (void)iterations;
+  return 0;
+#endif
+}
 
 // The layout's parameters for this build: columns per panel, and whether 8-bit values are
 // stored as q + 128 (with zero point 128).
