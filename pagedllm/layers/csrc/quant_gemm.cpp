@@ -743,7 +743,8 @@ void dequantize_any(const QuantWeight& w, const int64_t* ids, int64_t count, T* 
 #if defined(__AVX2__)
 // One thread's share of the integer peak: Isa::peak_step issued back to back into kPeakChains
 // independent sums (more than its latency times its issue rate), its operands in registers, so
-// that only the multiply-add's issue rate bounds it: no memory, no unpacking, no scaling.  Returns the multiply-adds done (one per byte of a vector a step).
+// that only the multiply-add's issue rate bounds it: no memory, no unpacking, no scaling.
+// Returns the multiply-adds done (one per byte of a vector a step).
 constexpr int kPeakChains = 12;
 int64_t int8_peak_thread(int64_t iterations) {
   Isa::I acc[kPeakChains];
