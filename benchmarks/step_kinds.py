@@ -2,7 +2,7 @@
 steps by how many requests they decode (fewer than 20: the tail of the longest outputs; 20-63;
 at least 64, where the fused decode step splits the rows between two threads).
 
-    python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl [--model gemma3-270m]
+    python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl [--model M] [--num-requests 32]
     PAGEDLLM_FUSED_DECODE=0 python benchmarks/step_kinds.py benchmarks/workloads/sharegpt-like-160.jsonl
 
 Every request is submitted at once (greedy, EOS ignored, a 4 GiB KV cache, the engine's
@@ -37,12 +37,13 @@ def main() -> None:
     parser.add_argument("workload")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-requests", type=int, default=None, help="the workload's first N requests (default: all)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory="4GiB"))
     fused = engine.runner.model.fused_decode is not None
     print(f"{cpu_summary()}, {str(engine.dtype).removeprefix('torch.')}, fused decode step: {fused}")
     with open(args.workload) as f:
-        for line in f:
+        for line in list(f)[: args.num_requests]:
             r = json.loads(line)
             params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
             engine.add_request(r["prompt_token_ids"], params, r["id"])

@@ -48,9 +48,14 @@ def random_tensor(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def quantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: each block of 32 rounded to 8-bit steps of its largest |value| / 127."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def activation_span(kind: str) -> int:
+    """The values that share one activation step before a `kind` weight: a K type's super-group."""
+    return 256 if kind.endswith("_K") else 32
+
+
+def quantized_rows(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """x as the kernels see it: each span rounded to 8-bit steps of its largest |value| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, span)
     step = blocks.abs().amax(-1, keepdim=True) / 127
     return (torch.round(blocks / step.clamp_min(1e-30)) * step).reshape(x.shape)
 
@@ -84,7 +89,7 @@ def test_integer_gemm_matches_the_reference(kind, dtype):
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 512).to(dtype)
         got = QuantizedLinear([packed], KERNELS, max_rows=64)(x).float()
-        want = quantized_rows(x) @ dense.T  # the same arithmetic in float64-free torch
+        want = quantized_rows(x, activation_span(kind)) @ dense.T  # the same arithmetic in float64-free torch
         tolerance = 2e-5 if dtype == torch.float32 else 8e-3
         assert (got - want).abs().max() <= tolerance * want.abs().max(), (kind, rows)
         # and close to the float product: activation quantization costs well under 2%
@@ -227,7 +232,8 @@ def test_a_fused_projection_of_mixed_types_writes_each_parts_columns():
     linear = QuantizedLinear([pack(p, KERNELS.quant_panel_width, KERNELS.quant_unsigned8) for p in parts], KERNELS, 8)
     full = torch.cat([w.dequantize() for w in weights])
     x = torch.randn(3, 256)
-    assert (linear(x) - quantized_rows(x) @ full.T).abs().max() <= 2e-5 * full.abs().max() * 256
+    want = torch.cat([quantized_rows(x, activation_span(p.source)) @ p.dequantize().T for p in parts], dim=1)
+    assert (linear(x) - want).abs().max() <= 2e-5 * full.abs().max() * 256
     # Past max_rows: a float GEMM on the dequantized weight, the activations as they are.
     big = torch.randn(9, 256)
     expected = big @ full.T
