@@ -49,8 +49,8 @@ def random_tensor(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def activation_span(kind: str) -> int:
-    """The values that share one activation step before a `kind` weight: a K type's super-group."""
-    return 256 if kind.endswith("_K") else 32
+    """The values that share one activation step before a `kind` weight (the build decides for K types)."""
+    return KERNELS.quant_k_activation_span if kind.endswith("_K") else 32
 
 
 def quantized_rows(x: torch.Tensor, span: int = 32) -> torch.Tensor:

@@ -310,6 +310,8 @@ class CpuKernels:
         # and whether 8-bit values are stored unsigned (VNNI).
         self.quant_panel_width = library.quant_panel_width()
         self.quant_unsigned8 = bool(library.quant_unsigned8())
+        # Values per activation step before a K type (Q4_K, Q5_K, Q6_K): 256 with AVX-512, else 32.
+        self.quant_k_activation_span = library.quant_k_activation_span()
         # Built with AMX-BF16 and allowed the tiles by the OS: many-row steps on quantized weights
         # take csrc/quant_amx.cpp.
         self.quant_amx = bool(library.quant_amx_available())

@@ -10,8 +10,8 @@ GGUF.  `pack` turns it into the panel layout the C++ kernels read (csrc/quant_ge
 header describes it), and that copy is all the engine keeps.
 
 A `QuantizedLinear` runs steps of up to `max_rows` rows on the integer kernels, which
-quantize the activations to signed bytes (as llama.cpp does: per block of 32 before the legacy
-types, per super-group of 256 before the K types) and read the
+quantize the activations to signed bytes (as llama.cpp does: per block of 32, or per
+super-group of 256 before the K types with AVX-512) and read the
 weight's bytes once per tile of rows: a decode step reads about 5x fewer weight bytes than
 on bfloat16 weights (10x fewer than on float32).  Steps of more rows (prompt chunks,
 large batches) are bound by multiply-adds instead, and run in the model's dtype on the weight

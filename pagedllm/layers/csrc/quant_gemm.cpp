@@ -26,8 +26,8 @@
 // [panels][k / group][kPanel].
 //
 // Arithmetic.  The activations are quantized to signed bytes with a float scale, as llama.cpp's
-// dot products do: per block of 32 before the legacy types, per super-group (256) before the K
-// types (whose group sums super_tile scales in integers).  A block's products are integer
+// dot products do: per block of 32, or per super-group (256) before the K types with AVX-512
+// (whose group sums super_tile scales in integers; k_activation_span).  A block's products are integer
 // multiply-adds of a weight vector with one row's quad broadcast: VNNI's `vpdpbusd`, else
 // `vpmaddubsw` (unsigned x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: u is at most 63,
 // and signed 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  The zero
@@ -732,6 +732,22 @@ inline void store_row(T* dst, const float* src, int64_t cols) {
 // benchmarks/weights_compare.py, docs/performance.md).
 constexpr int64_t kRowBlockBytes = 128 << 10, kFitsL2Bytes = 1 << 20;
 
+// The values sharing one activation step before a K type (sub-scales given) of `super_group`.
+// With AVX-512, its super-group: super_tile then scales each group's sum in integers (16-19%
+// faster at 8-128 rows on a 1B-shaped Q4_K_M file), at some accuracy: Gemma 3 270M's perplexity
+// moved +0.55% from its dequantized weights' where per-32 steps moved it +0.09% (docs/design.md).
+// Elsewhere, where the kernels scale every block's sum in floats either way, a block of 32 (as
+// for the legacy types).  With AVX-512, spans of 128 and 64 took 1.05x and 1.11x 256's time
+// at 128 rows (one run each).
+inline int64_t k_activation_span(int64_t super_group) {
+#if defined(__AVX512BW__)
+  return std::max<int64_t>(super_group, kBlock);
+#else
+  (void)super_group;
+  return kBlock;
+#endif
+}
+
 // y[r * ldy + j] for j < w.rows: row r of x [m, w.cols] times column j of the weight.
 template <typename T, int Bits, int Group>
 void quant_gemm(const T* x, T* y, int64_t m, int64_t ldy, const QuantWeight& w) {
@@ -739,9 +755,7 @@ void quant_gemm(const T* x, T* y, int64_t m, int64_t ldy, const QuantWeight& w) 
   QuantizedRows& xr = this_threads;  // inside the parallel region the name would be each worker's own
   const int64_t n = w.rows, k = w.cols;
   const int32_t zero = static_cast<int32_t>(w.zero);
-  // K types' activations in spans of their super-group (super_tile's integer sub-scales), the
-  // others' per block of 32, as llama.cpp's dot products take them
-  const int64_t span = w.sub_scales != nullptr ? std::max<int64_t>(w.super_group, kBlock) : kBlock;
+  const int64_t span = w.sub_scales != nullptr ? k_activation_span(w.super_group) : kBlock;
   quantize_rows(x, m, k, Group, span, zero, xr);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t panel_bytes = k / kBlock * block_bytes(Bits);
@@ -911,6 +925,8 @@ PAGEDLLM_API int64_t int8_multiply_add_peak(int64_t iterations) {
 // stored as q + 128 (with zero point 128).
 PAGEDLLM_API int64_t quant_panel_width() { return pagedllm::kPanel; }
 PAGEDLLM_API int64_t quant_unsigned8() { return pagedllm::kUnsigned8 ? 1 : 0; }
+// The activations' quantization span before a K type of super-groups of 256 (quant_gemm).
+PAGEDLLM_API int64_t quant_k_activation_span() { return pagedllm::k_activation_span(256); }
 
 // y[r * ldy + j] = row r of x [m, w.cols] times column j < w.rows of the weight.
 PAGEDLLM_API void quant_gemm_f32(const float* x, float* y, int64_t m, int64_t ldy, const QuantWeight* w) {
