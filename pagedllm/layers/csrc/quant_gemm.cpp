@@ -27,10 +27,11 @@
 //
 // Arithmetic.  The activations are quantized to signed bytes with a float scale, as llama.cpp's
 // dot products do: per block of 32, or per super-group (256) before the K types with AVX-512
-// (whose group sums super_tile scales in integers; k_activation_span).  A block's products are integer
-// multiply-adds of a weight vector with one row's quad broadcast: VNNI's `vpdpbusd`, else
-// `vpmaddubsw` (unsigned x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot saturate: u is at most 63,
-// and signed 8-bit q goes in as |q| with x given q's sign (|q| <= 128, |x| <= 127).  The zero
+// (whose group sums super_tile scales in integers; k_activation_span).  A block's products are
+// integer multiply-adds of a weight vector with one row's quad broadcast: VNNI's `vpdpbusd`,
+// else `vpmaddubsw` (unsigned x signed bytes into int16 pairs) and `vpmaddwd`.  maddubs cannot
+// saturate: u is at most 63, and signed 8-bit q goes in as |q| with x given q's sign (|q| <=
+// 128, |x| <= 127).  The zero
 // point comes off in integers (zero * the sum of the group's x); each block's int32 sums are
 // then scaled once (the weight's scale times x's), and the mins' term is min * (the sum of
 // the group's x).  A tile of up to kTileRows rows shares each weight vector loaded, so a
@@ -574,8 +575,9 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
 // group's int8 sub-scale in integers (vpmulld) and summed over the super-group, and only that sum
 // is converted and scaled (its float16 scale times the row's step).  A group and row cost a
 // multiply and an add; converting and scaling each group's sum took four vector instructions, two
-// on the ports the dots run on: 1B-shaped Q4_K_M projections at 128 rows went from 61% to 67% of
-// the integer peak (2-core Zen 4 EPYC, benchmarks/quantized_linear.py).
+// on the ports the dots run on: 1B-shaped Q4_K_M projections at 128 rows went from 59% to 69% of
+// the integer peak, with dot_quad's embedded broadcasts (2-core Zen 4 EPYC, bfloat16, three runs
+// of benchmarks/quantized_linear.py alternated with the build before; docs/design.md).
 // Bounds: a 4-bit block's sum is at most 32 * 15 * 127 = 60,960, times a sub-scale of 63, eight
 // to a super-group: 3.1e7; 5-bit 6.3e7; 6-bit (u - 32 in groups of 16, sub-scales down to -128)
 // 16 * 32 * 127 * 128 * 16 = 1.3e8: all under 2^31.
