@@ -501,6 +501,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
       if ((b & ((int64_t{1} << (ps.super_shift - 1)) - 1)) == 0)  // a super-group's first block
         super = V::mul(V::halves(ps.scales + ps.super_at(2 * b)), V::fset(1.f / 32));
       typename V::I s32[R];
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // the block's two groups
         const typename V::I w = V::sra16(V::sub_scales16(ps.sub_scales + (2 * b + h) * kPanel), 3);
         const typename V::I u0 = small_quad<6>(blk, 4 * h), u1 = small_quad<6>(blk, 4 * h + 1);
@@ -520,6 +521,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
     }
 #endif
     if constexpr (Bits == 8) {
+#pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const typename V::I v = V::load(blk + j * kPanel * 4);
         const typename V::I u = kUnsigned8 ? v : V::abs8(v);
@@ -556,6 +558,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
         }
       }
     } else {  // groups of 16: quads 0..3, then 4..7
+#pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const typename V::I u = small_quad<Bits>(blk, j);
         for (int r = 0; r < R; ++r) sum[r] = V::dot_quad(sum[r], u, rows + r * kBlock + 4 * j);
@@ -600,6 +603,7 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
     const uint8_t* blk = wq + b * block_bytes(Bits);
     for (int64_t line = 0; line < block_bytes(Bits); line += 64) __builtin_prefetch(blk + kPrefetchBytes + line, 0, 3);
     const int8_t* rows = xq + b * m * kBlock;  // row r's block at rows + r * kBlock
+#pragma GCC unroll 2
     for (int h = 0; h < kGroups; ++h) {
       const int64_t g = b * kGroups + h;
       V::I sum[R];
@@ -613,6 +617,11 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
           }
         }
       } else {  // groups of 16: quads 4h .. 4h + 3
+        // Unrolled (as every quad loop here), so that small_quad's shifts and nibble choice are
+        // constants: left as a loop, GCC 12 shifted by a register and branched per quad, and
+        // Q6_K ran at 45% of the integer peak at 128 rows where unrolled it runs at 65-69%
+        // (3B-shaped down projection, 2-core Zen 4 EPYC).
+#pragma GCC unroll 4
         for (int j = 4 * h; j < 4 * h + 4; ++j) {
           const V::I u = small_quad<Bits>(blk, j);
           for (int r = 0; r < R; ++r) sum[r] = V::dot_quad(sum[r], u, rows + r * kBlock + 4 * j);
