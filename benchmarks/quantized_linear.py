@@ -2,6 +2,7 @@
 
     python benchmarks/quantized_linear.py [--model smollm2|gemma3-270m] [--dtype auto|float32|bfloat16]
                                           [--rows 1 2 4 8 16 32 64 128 512] [--rounds 5] [--no-head]
+                                          [--by-kind]
 
 One pass runs every projection of every layer, and the LM head (left out with `--no-head`, to
 time what a prompt step's rows run through), as a step of `rows` rows does, so the weights come
@@ -15,6 +16,9 @@ from memory as in the engine.  The ways, alternated round by round:
 - `dense`: the dequantized weights as the engine holds them with `weights=dequantized` (oneDNN
   with its packed copy, the small-batch kernels where they run).
 Median ms per pass (min-max).  `QuantizedLinear`'s row limit comes from these crossovers.
+
+`--by-kind` times the `int` way alone, per kind of projection (its file types and shape: a
+Q4_K_M file's Q6_K `down_proj` apart from its Q4_K ones), each kind over all its layers.
 
 Where a step turns from reading weights to arithmetic (many rows), the `int` path's rate is also
 given as integer multiply-adds a second (rows x every weight's rows x cols, over its median time)
@@ -52,6 +56,38 @@ def fused(weights: dict, config) -> list[list[QuantizedWeight]]:
     return out + [[weights[head]]]
 
 
+def by_kind(quantized: list, packed: list, kernels, dtype: torch.dtype, args) -> None:
+    """The integer kernels' time and share of the peak per kind of projection, kinds alternated
+    round by round."""
+    kinds: dict[str, list[int]] = {}
+    for i, parts in enumerate(quantized):
+        name = "+".join(w.source for w in parts) + f" {sum(w.shape[0] for w in parts)}x{parts[0].cols}"
+        kinds.setdefault(name, []).append(i)
+    linears = [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed]
+    print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    peak = kernels.int8_multiply_add_peak()
+    print(f"integer multiply-add peak: {peak / 1e9:.1f} G/s (all threads, from registers)")
+    print(f"{'kind (rows x k)':>28} {'layers':>6} {'rows':>5} {'int ms, all layers':>24} {'of peak':>8}")
+    for m in args.rows:
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        inputs = {name: torch.randn(m, quantized[ids[0]][0].cols).to(dtype) for name, ids in kinds.items()}
+        for round_ in range(args.rounds + 1):
+            for name in list(kinds)[round_ % len(kinds) :] + list(kinds)[: round_ % len(kinds)]:
+                start = time.perf_counter()
+                for i in kinds[name]:
+                    linears[i](inputs[name])
+                if round_:  # the first round warms up
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        for name, ids in kinds.items():
+            t = times[name]
+            macs = m * sum(w.shape[0] * w.shape[1] for i in ids for w in quantized[i])
+            share = f"{macs / (statistics.median(t) / 1e3) / peak:.0%}" if peak else "-"
+            cell = f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})"
+            print(f"{name:>28} {len(ids):>6} {m:>5} {cell:>24} {share:>8}")
+    if peak:
+        print(f"integer multiply-add peak after the rows: {kernels.int8_multiply_add_peak() / 1e9:.1f} G/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -59,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-head", action="store_true", help="the layers' projections alone (as a prompt step runs)")
+    parser.add_argument("--by-kind", action="store_true", help="the integer kernels alone, per kind of projection")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     if kernels is None:
@@ -66,8 +103,10 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, "cpu")
     config, weights = load_weights(resolve_model_path(args.model), keep_quantized=True)
     quantized = fused(weights, config)[: -1 if args.no_head else None]
-    backend = resolve_linear_backend("auto", dtype)
     packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
+    if args.by_kind:
+        return by_kind(quantized, packed, kernels, dtype, args)
+    backend = resolve_linear_backend("auto", dtype)
     ways: dict[str, list] = {
         "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
     }
