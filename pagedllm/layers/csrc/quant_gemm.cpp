@@ -618,9 +618,9 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
         }
       } else {  // groups of 16: quads 4h .. 4h + 3
         // Unrolled (as every quad loop here), so that small_quad's shifts and nibble choice are
-        // constants: left as a loop, GCC 12 shifted by a register and branched per quad, and
-        // Q6_K ran at 45% of the integer peak at 128 rows where unrolled it runs at 65-69%
-        // (3B-shaped down projection, 2-core Zen 4 EPYC).
+        // constants: left as a loop, GCC 12 shifted by a register and branched per quad, and a
+        // 3B-shaped file's Q6_K down projections took 1.05-1.16x as long at 8-128 rows (2-core
+        // Zen 4 EPYC; benchmarks/quantized_linear.py --by-kind, docs/measurements.md).
 #pragma GCC unroll 4
         for (int j = 4 * h; j < 4 * h + 4; ++j) {
           const V::I u = small_quad<Bits>(blk, j);
