@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -56,36 +58,42 @@ def fused(weights: dict, config) -> list[list[QuantizedWeight]]:
     return out + [[weights[head]]]
 
 
-def by_kind(quantized: list, packed: list, kernels, dtype: torch.dtype, args) -> None:
-    """The integer kernels' time and share of the peak per kind of projection, kinds alternated
-    round by round."""
+def alternated(passes: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each pass's ms over `rounds` rounds after one warm-up round, the order rotated each round."""
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    names = list(passes)
+    for round_ in range(rounds + 1):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            start = time.perf_counter()
+            passes[name]()
+            if round_:  # the first round warms up
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def by_kind(quantized: list, packed: list, kernels, dtype: torch.dtype, rows: list[int], rounds: int, peak: float):
+    """The integer kernels' time and share of the peak per kind of projection (its file types and
+    shape), each kind over all its layers, kinds alternated round by round."""
     kinds: dict[str, list[int]] = {}
     for i, parts in enumerate(quantized):
         name = "+".join(w.source for w in parts) + f" {sum(w.shape[0] for w in parts)}x{parts[0].cols}"
         kinds.setdefault(name, []).append(i)
     linears = [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed]
-    print(f"{cpu_summary()}; {dtype}; {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    peak = kernels.int8_multiply_add_peak()
-    print(f"integer multiply-add peak: {peak / 1e9:.1f} G/s (all threads, from registers)")
     print(f"{'kind (rows x k)':>28} {'layers':>6} {'rows':>5} {'int ms, all layers':>24} {'of peak':>8}")
-    for m in args.rows:
-        times: dict[str, list[float]] = {name: [] for name in kinds}
+    for m in rows:
         inputs = {name: torch.randn(m, quantized[ids[0]][0].cols).to(dtype) for name, ids in kinds.items()}
-        for round_ in range(args.rounds + 1):
-            for name in list(kinds)[round_ % len(kinds) :] + list(kinds)[: round_ % len(kinds)]:
-                start = time.perf_counter()
-                for i in kinds[name]:
-                    linears[i](inputs[name])
-                if round_:  # the first round warms up
-                    times[name].append((time.perf_counter() - start) * 1e3)
+
+        def run(name: str, x: torch.Tensor) -> None:
+            for i in kinds[name]:
+                linears[i](x)
+
+        times = alternated({name: partial(run, name, inputs[name]) for name in kinds}, rounds)
         for name, ids in kinds.items():
             t = times[name]
             macs = m * sum(w.shape[0] * w.shape[1] for i in ids for w in quantized[i])
             share = f"{macs / (statistics.median(t) / 1e3) / peak:.0%}" if peak else "-"
             cell = f"{statistics.median(t):.2f} ({min(t):.2f}-{max(t):.2f})"
             print(f"{name:>28} {len(ids):>6} {m:>5} {cell:>24} {share:>8}")
-    if peak:
-        print(f"integer multiply-add peak after the rows: {kernels.int8_multiply_add_peak() / 1e9:.1f} G/s")
 
 
 def main() -> None:
@@ -104,8 +112,21 @@ def main() -> None:
     config, weights = load_weights(resolve_model_path(args.model), keep_quantized=True)
     quantized = fused(weights, config)[: -1 if args.no_head else None]
     packed = [[pack(w, kernels.quant_panel_width, kernels.quant_unsigned8) for w in parts] for parts in quantized]
+    what = args.model + (" without its LM head" if args.no_head else "")
+    print(f"{cpu_summary()}; {dtype}; {what}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    peak = kernels.int8_multiply_add_peak()
+    print(f"integer multiply-add peak: {peak / 1e9:.1f} G/s (all threads, from registers)")
     if args.by_kind:
-        return by_kind(quantized, packed, kernels, dtype, args)
+        by_kind(quantized, packed, kernels, dtype, args.rows, args.rounds, peak)
+    else:
+        by_way(quantized, packed, kernels, dtype, config.hidden_size, args.rows, args.rounds, peak)
+    if peak:
+        print(f"integer multiply-add peak after the rows: {kernels.int8_multiply_add_peak() / 1e9:.1f} G/s")
+
+
+def by_way(quantized: list, packed: list, kernels, dtype: torch.dtype, hidden: int, rows: list[int], rounds: int,
+           peak: float) -> None:  # fmt: skip
+    """Every projection per way (the module docstring's), ways alternated round by round."""
     backend = resolve_linear_backend("auto", dtype)
     ways: dict[str, list] = {
         "int": [QuantizedLinear(w, kernels, max_rows=1 << 30) for w in packed],
@@ -118,31 +139,23 @@ def main() -> None:
         "deq+gemm": [QuantizedLinear(w, kernels, max_rows=0, tile_max_rows=0, blocked=False) for w in packed],
         "dense": [Linear(torch.cat([w.dequantize(dtype) for w in parts]), backend, kernels) for parts in quantized],
     }
-    what = args.model + (" without its LM head" if args.no_head else "")
-    print(f"{cpu_summary()}; {dtype}; {what}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    peak = kernels.int8_multiply_add_peak()
-    print(f"integer multiply-add peak: {peak / 1e9:.1f} G/s (all threads, from registers)")
     macs_per_row = sum(w.shape[0] * w.shape[1] for parts in quantized for w in parts)
     header = " ".join(f"{name + ' ms':>22}" for name in ways)
     print(f"{'rows':>5} {header} {'int/dense':>10} {'int G mult-add/s':>17} {'of peak':>8}")
-    for m in args.rows:
-        x = torch.randn(m, config.hidden_size).to(dtype)
+    for m in rows:
+        x = torch.randn(m, hidden).to(dtype)
         inputs = {id(w): torch.randn(m, w[0].cols).to(dtype) for w in quantized}
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        for round_ in range(args.rounds + 1):
-            for name in list(ways)[round_ % len(ways) :] + list(ways)[: round_ % len(ways)]:
-                start = time.perf_counter()
-                for w, linear in zip(quantized, ways[name]):
-                    linear(inputs[id(w)] if w[0].cols != config.hidden_size else x)
-                if round_:  # the first round warms up
-                    times[name].append((time.perf_counter() - start) * 1e3)
+
+        def run(name: str, x: torch.Tensor, inputs: dict[int, torch.Tensor]) -> None:
+            for w, linear in zip(quantized, ways[name]):
+                linear(inputs[id(w)] if w[0].cols != hidden else x)
+
+        times = alternated({name: partial(run, name, x, inputs) for name in ways}, rounds)
         cells = [f"{statistics.median(t):9.2f} ({min(t):.2f}-{max(t):.2f})" for t in times.values()]
         ratio = statistics.median(times["dense"]) / statistics.median(times["int"])
         rate = m * macs_per_row / (statistics.median(times["int"]) / 1e3)
         share = f"{rate / peak:.0%}" if peak else "-"
         print(f"{m:>5} " + " ".join(f"{c:>22}" for c in cells) + f" {ratio:>9.2f}x {rate / 1e9:>17.1f} {share:>8}")
-    if peak:
-        print(f"integer multiply-add peak after the rows: {kernels.int8_multiply_add_peak() / 1e9:.1f} G/s")
 
 
 if __name__ == "__main__":
