@@ -41,7 +41,7 @@ def openai_penalized_greedy(hf_model, ids: list[int], steps: int, presence: floa
     counts over the tokens generated so far."""
     out: list[int] = []
     for _ in range(steps):
-        logits = hf_model(torch.tensor([ids + out])).logits[0, -1].float()
+        logits = hf_model(torch.tensor([ids + out]), logits_to_keep=1).logits[0, -1].float()  # the last row's
         counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.shape[0]).float()
         logits = logits - counts * frequency - (counts > 0).float() * presence
         out.append(int(logits.argmax()))

@@ -57,19 +57,29 @@ constexpr int64_t kTileRows = 8;  // 32 vector registers: 8 rows' sums and accum
 constexpr int64_t kTileRows = 4;
 #endif
 
-// Activation rows quantized per block of 32, block-major: a block's rows lie side by side, so
-// a tile of rows reads each block through one pointer at fixed offsets (a pointer per row ran
-// the kernels out of registers).  One per calling thread, kept between calls and only ever
-// grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
+// Activation rows quantized per block of 32, in tiles of `ld` rows (kTileRows, or all m rows
+// when fewer): a tile's blocks lie one after another, each block's rows side by side, so a tile
+// of rows reads its blocks through one pointer at fixed offsets (a pointer per row ran the
+// kernels out of registers) and in one contiguous stream.  Block-major over all m rows instead
+// ([k / 32][m][32]), a tile's blocks were m * 32 bytes apart (128 KiB for a 4,096-token prompt
+// step): every block in the same few L1 sets and its own page, and a 3,072-wide Q4_K
+// projection ran 15% slower per multiply-add at 4,096 rows than at 128 (docs/design.md).  The
+// sums and steps are tiled the same way.  One per calling thread, kept between calls and only
+// ever grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
 struct QuantizedRows {
   int64_t m = 0;                // rows
-  std::vector<int8_t> q;        // [k / 32, m, 32]
-  std::vector<float> scale;     // [k / span, m]: each span's step (quantize_rows)
+  int64_t ld = 0;               // rows per tile: the stride from one block (group, span) of a tile to the next
+  std::vector<int8_t> q;        // [tiles][k / 32][ld][32]
+  std::vector<float> scale;     // [tiles][k / span][ld]: each span's step (quantize_rows)
   int span_shift = 0;           // log2 of the blocks of 32 per span
-  std::vector<float> sums;      // [k / group, m]: scale * the sum of q over each group of the weight's
-  // [k / group, m]: -zero * the sum of q over each group of the weight, where a group's integer
-  // sums start (so the zero point costs the kernels a broadcast load, not a subtraction)
+  std::vector<float> sums;      // [tiles][k / group][ld]: scale * the sum of q over each group of the weight's
+  // [tiles][k / group][ld]: -zero * the sum of q over each group of the weight, where a group's
+  // integer sums start (so the zero point costs the kernels a broadcast load, not a subtraction)
   std::vector<int32_t> zero_sums;
+
+  // Where entry i (of per_row: blocks, groups or spans) of row `row` lies in its array.  A tile
+  // kernel starts at a row that begins a tile (a multiple of ld) and steps ld entries per i.
+  int64_t at(int64_t row, int64_t i, int64_t per_row) const { return ((row / ld) * per_row + i) * ld + row % ld; }
 };
 
 #if defined(__AVX2__) && !defined(__AVX512F__)  // load8: avx2.h
@@ -138,33 +148,37 @@ inline void quantize_block(const T* x, float inv, int8_t* q, int32_t* half) {
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t group, int64_t span, int32_t zero, QuantizedRows& out) {
   const int64_t spans = m * k / span, per_span = span / kBlock;
+  const int64_t ld = std::clamp<int64_t>(m, 1, kTileRows), padded = (m + ld - 1) / ld * ld;
   const auto grow = [](auto& v, int64_t size) {
     if (static_cast<int64_t>(v.size()) < size) v.resize(size);
   };
-  grow(out.q, m * k);
-  grow(out.scale, spans);
-  grow(out.sums, m * k / group);
-  grow(out.zero_sums, m * k / group);
+  grow(out.q, padded * k);
+  grow(out.scale, padded * k / span);
+  grow(out.sums, padded * k / group);
+  grow(out.zero_sums, padded * k / group);
   out.m = m;
+  out.ld = ld;
   out.span_shift = __builtin_ctzll(static_cast<uint64_t>(per_span));
-  const int64_t row_blocks = k / kBlock, row_spans = k / span;
+  const int64_t row_blocks = k / kBlock, row_spans = k / span, row_groups = k / group;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < spans; ++i) {  // rows are contiguous and k % span == 0: span i of the flat [m * k]
     const int64_t row = i / row_spans;
     const float amax = abs_max(x + i * span, span), d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    out.scale[(i % row_spans) * m + row] = d;
+    out.scale[out.at(row, i % row_spans, row_spans)] = d;
     for (int64_t j = 0; j < per_span; ++j) {
-      const int64_t block = i * per_span + j, b = block % row_blocks, at = b * m + row;
+      const int64_t block = i * per_span + j, b = block % row_blocks;
       int32_t half[2];
-      quantize_block(x + block * kBlock, inv, out.q.data() + at * kBlock, half);
+      quantize_block(x + block * kBlock, inv, out.q.data() + out.at(row, b, row_blocks) * kBlock, half);
       if (group == kBlock) {
+        const int64_t at = out.at(row, b, row_groups);
         out.sums[at] = d * static_cast<float>(half[0] + half[1]);
         out.zero_sums[at] = -zero * (half[0] + half[1]);
       } else {
-        out.sums[2 * b * m + row] = d * static_cast<float>(half[0]);
-        out.sums[(2 * b + 1) * m + row] = d * static_cast<float>(half[1]);
-        out.zero_sums[2 * b * m + row] = -zero * half[0];
-        out.zero_sums[(2 * b + 1) * m + row] = -zero * half[1];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = out.at(row, 2 * b + h, row_groups);
+          out.sums[at] = d * static_cast<float>(half[h]);
+          out.zero_sums[at] = -zero * half[h];
+        }
       }
     }
   }
@@ -426,12 +440,13 @@ template <int Bits, int Group, int R, bool Fold = false>
 void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x, int64_t row0, int64_t k,
                 float (*out)[kPanel]) {
   using V = Isa;
-  const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
-  const int8_t* xq = x.q.data() + row0 * kBlock;  // QuantizedRows' block-major layout from here on
-  const float* xd = x.scale.data() + row0;
-  const float* xs = x.sums.data() + row0;
+  // m: the stride of QuantizedRows' tile from here on (its ld)
+  const int64_t blocks = k / kBlock, groups = k / Group, m = x.ld;
+  const int8_t* xq = x.q.data() + x.at(row0, 0, blocks) * kBlock;
+  const float* xd = x.scale.data() + x.at(row0, 0, k / (kBlock << x.span_shift));
+  const float* xs = x.sums.data() + x.at(row0, 0, groups);
   // A group's sums start at -zero * the sum of its x: sum of (u - zero) * x = sum of u * x - zero * sum of x
-  const int32_t* zs = x.zero_sums.data() + row0;
+  const int32_t* zs = x.zero_sums.data() + x.at(row0, 0, groups);
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   [[maybe_unused]] typename V::F super = V::fzero();  // Fold: the super-group's scales (over 256 or 128)
@@ -589,10 +604,10 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
                 float (*out)[kPanel]) {
   using V = Isa;
   constexpr int kGroups = kBlock / Group;  // groups per block
-  const int64_t blocks = k / kBlock, m = x.m, per_super = int64_t{1} << x.span_shift;
-  const int8_t* xq = x.q.data() + row0 * kBlock;
-  const float* xd = x.scale.data() + row0;
-  const int32_t* zs = x.zero_sums.data() + row0;
+  const int64_t blocks = k / kBlock, m = x.ld, per_super = int64_t{1} << x.span_shift;  // m: the tile's stride
+  const int8_t* xq = x.q.data() + x.at(row0, 0, blocks) * kBlock;
+  const float* xd = x.scale.data() + x.at(row0, 0, blocks >> x.span_shift);
+  const int32_t* zs = x.zero_sums.data() + x.at(row0, 0, k / Group);
   V::F acc[R];
   V::I whole[R];  // the super-group's sums so far, each group's times its sub-scale
   for (int r = 0; r < R; ++r) {
@@ -639,7 +654,7 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
       }
     }
   }
-  add_mins<R>(ps, x.sums.data() + row0, k / Group, m, acc);
+  add_mins<R>(ps, x.sums.data() + x.at(row0, 0, k / Group), k / Group, m, acc);
   for (int r = 0; r < R; ++r) V::fstore(out[r], acc[r]);
 }
 #endif
@@ -648,17 +663,17 @@ void super_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
 template <int Bits, int Group, int R>
 void panel_tile(const uint8_t* wq, const PanelScales& ps, int32_t zero, const QuantizedRows& x, int64_t row0,
                 int64_t k, float (*out)[kPanel]) {
-  const int64_t blocks = k / kBlock, groups = k / Group, m = x.m;
+  const int64_t blocks = k / kBlock, groups = k / Group;
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
     for (int64_t c = 0; c < kPanel; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* xq = x.q.data() + (b * m + row) * kBlock;
+        const int8_t* xq = x.q.data() + x.at(row, b, blocks) * kBlock;
         int32_t half[2] = {0, 0};
         for (int64_t j = 0; j < kBlock; ++j)
           half[j / 16] += (panel_value(wq + b * block_bytes(Bits), Bits, c, j) - zero) * xq[j];
-        const float d = x.scale[(b >> x.span_shift) * m + row];
+        const float d = x.scale[x.at(row, b >> x.span_shift, blocks >> x.span_shift)];
         if (Group == 32) {
           acc += d * ps.scale(b, c) * static_cast<float>(half[0] + half[1]);
         } else {
@@ -666,7 +681,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, int32_t zero, const Qu
         }
       }
       if (ps.mins != nullptr)
-        for (int64_t g = 0; g < groups; ++g) acc += ps.min(g, c) * x.sums[g * m + row];
+        for (int64_t g = 0; g < groups; ++g) acc += ps.min(g, c) * x.sums[x.at(row, g, groups)];
       out[r][c] = acc;
     }
   }
