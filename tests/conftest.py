@@ -78,11 +78,13 @@ def _no_blocks_held_after_the_test(request):
 _HELD_BETWEEN_TESTS = 3 * 2**30
 # Late in the suite what stays after a collection (modules, the transformers reference, the
 # allocator's heap) can itself pass the bound; from there a collection runs again only once the
-# process has grown this much past what the last one left.  Collecting after every test instead
-# cost ~1 s a test, the cycle collector walking the whole heap (270 tests, 268 s of a 25-minute
-# run), and dropped the shared engines that the next test built again.
-_GROWTH_BEFORE_COLLECTING = 256 * 2**20
-_held_after_collecting = 0
+# process has grown this much past the least it held at a test's end since the last one (the
+# least, not what the collection left: a module's fixtures, freed after its last test's end,
+# are in that).  Collecting after every test instead cost ~1 s a test, the cycle collector
+# walking the whole heap (270 tests, 268 s of a 25-minute run), and dropped the shared engines
+# that the next test built again.
+_GROWTH_BEFORE_COLLECTING = 128 * 2**20
+_least_held: int | None = None
 
 
 def _resident_bytes() -> int:
@@ -91,15 +93,17 @@ def _resident_bytes() -> int:
 
 
 def _keep_what_is_held_small() -> None:
-    global _held_after_collecting
+    global _least_held
     held = _resident_bytes()
-    if held <= _HELD_BETWEEN_TESTS or held <= _held_after_collecting + _GROWTH_BEFORE_COLLECTING:
+    if _least_held is not None:
+        _least_held = min(_least_held, held)
+    if held <= _HELD_BETWEEN_TESTS or (_least_held is not None and held <= _least_held + _GROWTH_BEFORE_COLLECTING):
         return
     gc.collect()
     if _resident_bytes() > _HELD_BETWEEN_TESTS:
         release_shared_engines()
     ctypes.CDLL(None).malloc_trim(0)  # freed heap back to the OS (the engines keep up to 1 GiB of it)
-    _held_after_collecting = _resident_bytes()
+    _least_held = _resident_bytes()
 
 
 def assert_engine_holds_nothing(engine: LLMEngine) -> None:

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from conftest import assert_no_blocks_held
 
 from pagedllm.core.beam_search import BeamSearchState
-from tests.conftest import assert_no_blocks_held
 
 EOS = 0
 

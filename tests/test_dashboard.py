@@ -13,11 +13,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from conftest import release_shared_engines
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.testing.servers import MODEL, serve_in_process
-from tests.conftest import release_shared_engines
 
 
 def chromium_path() -> str:

@@ -64,6 +64,9 @@ _SCRIPT = textwrap.dedent(
 
 
 def _sanitized(mode: str, tmp_path) -> subprocess.CompletedProcess:
+    from conftest import release_shared_engines
+
+    release_shared_engines()  # the sanitized child takes GBs of its own (its engine steps under ASan)
     env = {
         **os.environ,
         "PAGEDLLM_KERNEL_SANITIZE": "address",

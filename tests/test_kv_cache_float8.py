@@ -11,12 +11,12 @@ import platform
 
 import pytest
 import torch
+from conftest import assert_no_blocks_held
 
 from pagedllm import SamplingParams
 from pagedllm.execution.device import resolve_kv_cache_dtype
 from pagedllm.layers.attention import cpp_attention
 from pagedllm.layers.cpu_kernels import CpuKernels, build_library, load_cpu_kernels
-from tests.conftest import assert_no_blocks_held
 from tests.test_attention import RAGGED, make_batch, plain_attention
 
 F8 = torch.float8_e4m3fn

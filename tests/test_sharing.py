@@ -1,7 +1,8 @@
 """Sharing KV blocks on the real model: prefix-cache hits and n>1 forks give the tokens they should."""
 
+from conftest import assert_no_blocks_held
+
 from pagedllm import SamplingParams
-from tests.conftest import assert_no_blocks_held
 
 QUESTION = [
     {

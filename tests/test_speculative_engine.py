@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import release_shared_engines
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sampling_params import StructuredOutput
 from pagedllm.core.speculation import StepCost
 from pagedllm.layers.cpu_kernels import cpu_flags
-from tests.conftest import release_shared_engines
 
 TEXT = (Path(__file__).parent.parent / "docs" / "paging.md").read_text()[:4000]
 
