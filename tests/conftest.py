@@ -81,7 +81,7 @@ _HELD_BETWEEN_TESTS = 3 * 2**30
 # process has grown this much past the least it held at a test's end since the last one (the
 # least, not what the collection left: a module's fixtures, freed after its last test's end,
 # are in that).  Collecting after every test instead cost ~1 s a test, the cycle collector
-# walking the whole heap (270 tests, 268 s of a 25-minute run), and dropped the shared engines
+# walking the whole heap (270 tests, 268 s of a 26-minute suite), and dropped the shared engines
 # that the next test built again.
 _GROWTH_BEFORE_COLLECTING = 128 * 2**20
 _least_held: int | None = None

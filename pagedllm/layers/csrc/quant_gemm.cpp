@@ -62,9 +62,9 @@ constexpr int64_t kTileRows = 4;
 // of rows reads its blocks through one pointer at fixed offsets (a pointer per row ran the
 // kernels out of registers) and in one contiguous stream.  Block-major over all m rows instead
 // ([k / 32][m][32]), a tile's blocks were m * 32 bytes apart (128 KiB for a 4,096-token prompt
-// step): every block in the same few L1 sets and its own page, and a 3,072-wide Q4_K
-// projection ran 15% slower per multiply-add at 4,096 rows than at 128 (docs/design.md).  The
-// sums and steps are tiled the same way.  One per calling thread, kept between calls and only
+// step): every block in the same few L1 sets and its own page, and a 3B-shaped file's
+// projections took 1.12x as long at 4,096 rows (docs/design.md).  The sums and steps are tiled
+// the same way.  One per calling thread, kept between calls and only
 // ever grown: a fresh one cost a zero-fill of up to m * k bytes at every projection.
 struct QuantizedRows {
   int64_t m = 0;                // rows
@@ -443,7 +443,7 @@ void panel_tile(const uint8_t* wq, const PanelScales& ps, const QuantizedRows& x
   // m: the stride of QuantizedRows' tile from here on (its ld)
   const int64_t blocks = k / kBlock, groups = k / Group, m = x.ld;
   const int8_t* xq = x.q.data() + x.at(row0, 0, blocks) * kBlock;
-  const float* xd = x.scale.data() + x.at(row0, 0, k / (kBlock << x.span_shift));
+  const float* xd = x.scale.data() + x.at(row0, 0, blocks >> x.span_shift);
   const float* xs = x.sums.data() + x.at(row0, 0, groups);
   // A group's sums start at -zero * the sum of its x: sum of (u - zero) * x = sum of u * x - zero * sum of x
   const int32_t* zs = x.zero_sums.data() + x.at(row0, 0, groups);
