@@ -75,10 +75,9 @@ def test_greedy_tokens_equal_decoding_one_at_a_time(make_llm, method):
 
 def grounded_chats(num: int, chars: int = 3600) -> list[list[dict]]:
     """Chats that summarize, extract from, rewrite or quote ~1,000-token passages of the docs' prose."""
-    docs = PASSAGES
     asks = ["Summarize this text.", "Extract every command and number.", "Rewrite this simply.", "Quote its key lines."]
     return [
-        [{"role": "user", "content": asks[i % len(asks)] + "\n\n" + docs[i * chars : (i + 1) * chars]}]
+        [{"role": "user", "content": asks[i % len(asks)] + "\n\n" + PASSAGES[i * chars : (i + 1) * chars]}]
         for i in range(num)
     ]
 
@@ -86,10 +85,9 @@ def grounded_chats(num: int, chars: int = 3600) -> list[list[dict]]:
 def copy_chats() -> list[list[dict]]:
     """Chats that ask, in several phrasings, for passages of the docs back: drafts from the prompt
     are taken at almost every step, and many are rejected where the model departs from the text."""
-    docs = PASSAGES
     asks = ["Copy this passage exactly:", "Repeat the following text word for word.", "Quote this text in full:"]
     return [
-        [{"role": "user", "content": asks[i % len(asks)] + "\n\n" + docs[7000 + 2500 * i : 9500 + 2500 * i]}]
+        [{"role": "user", "content": asks[i % len(asks)] + "\n\n" + PASSAGES[7000 + 2500 * i : 9500 + 2500 * i]}]
         for i in range(3)
     ]
 
